@@ -1,0 +1,338 @@
+// The caching allocator: best fit with splitting and coalescing over segments it caches, no
+// stitching. The baseline the stitching allocator is measured against, and its small pool.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "glake/allocators/segment_source.hpp"
+#include "glake/detail/accounting.hpp"
+#include "glake/detail/block_arena.hpp"
+#include "glake/detail/node_pool.hpp"
+#include "glake/policies/eviction.hpp"
+#include "glake/policies/locking.hpp"
+#include "glake/statistics.hpp"
+#include "glake/stream.hpp"
+
+namespace glake {
+
+/// How a caching allocator sizes requests and segments; runtime data, not a hot-path decision.
+/// The defaults are PyTorch's small-pool rules generalised: 512 B rounding, segments of at
+/// least 2 MiB, split whenever the remainder is at least one rounding unit.
+struct caching_rules {
+  std::size_t round_to = 512;              ///< requests rounded up to a multiple (a power of two)
+  std::size_t min_segment = 2 << 20;       ///< requests below `segment_threshold` get a segment
+                                           ///< this large
+  std::size_t segment_threshold = 1 << 20; ///< requests at or above it get a segment of their own
+                                           ///< size (rounded to the source's granularity)
+  std::size_t min_split_remainder = 512;   ///< split a free block only if this much is left over
+};
+
+/// Best fit with splitting and coalescing. A request is rounded (caching_rules), served by the
+/// smallest free block of its stream that fits (split when the remainder is large enough), or by
+/// a new segment from the Source. Freed blocks merge with free neighbours at once and stay
+/// cached; fully free segments go back to the Source only when a new segment cannot be had
+/// (least valuable first, by the Evict policy) or on `release_cached()`.
+///
+/// Complexity: O(log n) per call in the number of blocks; no heap allocation once warm.
+/// Thread safety: as the Lock policy; one lock per public call.
+/// Streams: blocks are reused only on the stream they were allocated on; the stream given at
+/// deallocation is accepted as is (cross-stream ordering is the CUDA layer's business).
+/// Errors: allocate throws out_of_memory, try_allocate returns null; misuse throws usage_error.
+template <segment_source Source, lock_policy Lock = no_lock, eviction_policy Evict = lru_eviction>
+class caching_allocator {
+  struct segment : eviction_hook {
+    typename Source::lease_type lease;
+  };
+  using arena_type = detail::block_arena<segment>;
+  using block_type = typename arena_type::block_type;
+
+ public:
+  using source_type = Source;
+
+  explicit caching_allocator(Source source, caching_rules rules = {})
+      : source_(std::move(source)), rules_(rules) {
+    const auto power_of_two = [](std::size_t n) { return n != 0 && (n & (n - 1)) == 0; };
+    if (!power_of_two(rules_.round_to)) {
+      throw std::invalid_argument("caching_allocator: round_to must be a power of two");
+    }
+    if (rules_.min_segment == 0 || rules_.min_segment % source_.granularity() != 0) {
+      throw std::invalid_argument(
+          "caching_allocator: min_segment must be a non-zero multiple of the source's granularity");
+    }
+  }
+  caching_allocator(const caching_allocator&) = delete;
+  caching_allocator& operator=(const caching_allocator&) = delete;
+  ~caching_allocator() { release_all_segments(); }
+
+  /// At least `bytes` bytes on `stream`, aligned to `round_to`. Zero bytes gives null.
+  void* allocate(std::size_t bytes, stream_ref stream = default_stream) {
+    std::lock_guard guard(lock_);
+    if (bytes == 0) return nullptr;
+    if (void* p = allocate_locked(bytes, stream)) return p;
+    ++counters_.s.failed_allocations;
+    detail::throw_out_of_memory("glake::caching_allocator", bytes, stream, stats_locked(),
+                                largest_free_block(), source_memory_limit());
+  }
+
+  /// As allocate, but null when out of memory.
+  void* try_allocate(std::size_t bytes, stream_ref stream = default_stream) {
+    std::lock_guard guard(lock_);
+    if (bytes == 0) return nullptr;
+    void* p = allocate_locked(bytes, stream);
+    if (p == nullptr) ++counters_.s.failed_allocations;
+    return p;
+  }
+
+  /// Returns a block. `bytes` must be the size given to allocate. Null is ignored.
+  void deallocate(void* p, std::size_t bytes, stream_ref stream = default_stream) {
+    std::lock_guard guard(lock_);
+    deallocate_locked(p, bytes, stream);
+  }
+
+  /// Gives every fully free segment back to the source (PyTorch's empty_cache).
+  void release_cached() {
+    std::lock_guard guard(lock_);
+    release_free_segments(~std::size_t{0});
+  }
+
+  statistics stats() const {
+    std::lock_guard guard(lock_);
+    return stats_locked();
+  }
+
+  /// True when `p` is the start of a live block of this allocator.
+  bool owns(const void* p) const {
+    std::lock_guard guard(lock_);
+    const block_type* b = const_cast<arena_type&>(arena_).find(reinterpret_cast<std::uintptr_t>(p));
+    return b != nullptr && !b->free;
+  }
+
+  /// Checks every internal invariant; throws std::logic_error naming the first broken one.
+  void verify() const {
+    std::lock_guard guard(lock_);
+    verify_locked();
+  }
+
+  /// Bytes of the fully free segments it would give back on release_cached().
+  std::size_t cached_segment_bytes() const {
+    std::lock_guard guard(lock_);
+    std::size_t sum = 0;
+    arena_.for_each_block([&](const block_type& b) {
+      if (b.free && b.size == b.segment->lease.size) sum += b.size;
+    });
+    return sum;
+  }
+
+  /// Every pointer returned is aligned to at least this.
+  std::size_t alignment() const noexcept { return rules_.round_to; }
+  const caching_rules& rules() const noexcept { return rules_; }
+  Source& source() noexcept { return source_; }
+
+  // --- unlocked building blocks for allocators that embed this one under their own lock ---
+
+  void* allocate_unlocked(std::size_t bytes, stream_ref stream) { return allocate_locked(bytes, stream); }
+  /// False when `p` is not a live block of this allocator (nothing changed then).
+  bool deallocate_if_owned(void* p, std::size_t bytes, stream_ref stream) {
+    block_type* b = arena_.find(reinterpret_cast<std::uintptr_t>(p));
+    if (b == nullptr || b->free) return false;
+    deallocate_locked(p, bytes, stream);
+    return true;
+  }
+  /// Releases fully free segments until at least `bytes` were released; returns what was.
+  std::size_t release_free_segments(std::size_t bytes) noexcept {
+    std::size_t released = 0;
+    while (released < bytes) {
+      segment* victim = free_segments_.victim();
+      if (victim == nullptr) break;
+      released += victim->lease.size;
+      drop_segment(victim);
+    }
+    return released;
+  }
+  /// True when `p` points into a free block (a double free looks like this).
+  bool inside_free_block(const void* p) noexcept {
+    const block_type* c = arena_.containing(reinterpret_cast<std::uintptr_t>(p));
+    return c != nullptr && c->free;
+  }
+  statistics stats_unlocked() const { return stats_locked(); }
+  void verify_unlocked() const { verify_locked(); }
+
+ private:
+  std::size_t source_memory_limit() const noexcept {
+    if constexpr (requires { source_.memory_limit(); }) {
+      return source_.memory_limit();
+    } else {
+      return 0;
+    }
+  }
+
+  void* allocate_locked(std::size_t bytes, stream_ref stream) {
+    if (detail::round_up_overflows(bytes, rules_.round_to)) return nullptr;
+    const std::size_t size = detail::round_up(bytes, rules_.round_to);
+    arena_.reserve_nodes(1);  // a split must not fail halfway
+    block_type* b = arena_.best_fit(stream, size);
+    if (b == nullptr) b = grow(size, stream);
+    if (b == nullptr) return nullptr;
+    if (b->size == b->segment->lease.size) free_segments_.erase(*b->segment);
+    const std::size_t keep = b->size - size >= rules_.min_split_remainder ? size : b->size;
+    arena_.take(b, keep);
+    b->requested = bytes;
+    counters_.on_allocate(bytes, b->size);
+    return reinterpret_cast<void*>(b->address);
+  }
+
+  void deallocate_locked(void* p, std::size_t bytes, stream_ref) {
+    if (p == nullptr) return;
+    const auto address = reinterpret_cast<std::uintptr_t>(p);
+    block_type* b = arena_.find(address);
+    if (b == nullptr || b->free) {
+      const block_type* c = arena_.containing(address);
+      detail::throw_not_live("glake::caching_allocator", p, c != nullptr && c->free);
+    }
+#if GLAKE_CHECKED
+    if (b->requested != bytes) detail::throw_size_mismatch("glake::caching_allocator", p, bytes, b->requested);
+#else
+    (void)bytes;
+#endif
+    counters_.on_deallocate(b->requested, b->size);
+    block_type* merged = arena_.give_back(b);
+    if (merged->size == merged->segment->lease.size) {
+      merged->segment->eviction_bytes_ = merged->size;
+      free_segments_.push(*merged->segment);
+    }
+  }
+
+  // A new segment for a request of `size` bytes; under memory pressure, cached free segments
+  // are given back first and the request is tried again.
+  block_type* grow(std::size_t size, stream_ref stream) {
+    const std::size_t granularity = source_.granularity();
+    if (detail::round_up_overflows(size, granularity)) return nullptr;
+    const std::size_t bytes = size < rules_.segment_threshold
+                                  ? std::max(rules_.min_segment, detail::round_up(size, granularity))
+                                  : detail::round_up(size, granularity);
+    if (block_type* b = try_add_segment(bytes, stream)) return b;
+    if (release_free_segments(bytes) == 0) return nullptr;
+    if (block_type* b = try_add_segment(bytes, stream)) return b;
+    if (release_free_segments(~std::size_t{0}) == 0) return nullptr;
+    return try_add_segment(bytes, stream);
+  }
+
+  block_type* try_add_segment(std::size_t bytes, stream_ref stream) {
+    segment* s = segments_.create();
+    try {
+      if (!source_.try_acquire(bytes, stream, s->lease)) {
+        segments_.destroy(s);
+        return nullptr;
+      }
+    } catch (...) {
+      segments_.destroy(s);
+      throw;
+    }
+    block_type* b = nullptr;
+    try {
+      b = arena_.add_segment(s, s->lease.base, s->lease.size, stream);
+    } catch (...) {
+      source_.release(s->lease);
+      segments_.destroy(s);
+      throw;
+    }
+    counters_.on_reserve(bytes);
+    s->eviction_bytes_ = bytes;
+    free_segments_.push(*s);  // invariant: queued exactly while its one block is free
+    return b;
+  }
+
+  void drop_segment(segment* s) noexcept {
+    block_type* b = arena_.find(s->lease.base);
+    free_segments_.erase(*s);
+    arena_.remove_segment(b);
+    counters_.on_unreserve(s->lease.size);
+    source_.release(s->lease);
+    segments_.destroy(s);
+  }
+
+  void release_all_segments() noexcept {
+    // Live blocks at destruction are the caller's leak; their segments are released regardless,
+    // since nothing can return them any more.
+    std::vector<segment*> all;
+    arena_.for_each_block([&](const block_type& b) {
+      if (b.address == b.segment->lease.base) all.push_back(b.segment);
+    });
+    for (segment* s : all) {
+      source_.release(s->lease);
+      segments_.destroy(s);
+    }
+  }
+
+  std::size_t largest_free_block() const {
+    std::size_t largest = 0;
+    arena_.for_each_block([&](const block_type& b) {
+      if (b.free) largest = std::max(largest, b.size);
+    });
+    return largest;
+  }
+
+  statistics stats_locked() const {
+    statistics s = counters_.s;
+    s.splits = arena_.splits();
+    s.merges = arena_.merges();
+    if constexpr (requires { source_.calls(); }) s.driver_calls = source_.calls();
+    return s;
+  }
+
+  void verify_locked() const {
+    const auto fail = [](const std::string& what) {
+      throw std::logic_error("glake::caching_allocator invariant broken: " + what);
+    };
+    std::size_t active = 0, allocated = 0, free_bytes = 0, reserved = 0, free_segments = 0;
+    const block_type* previous = nullptr;
+    arena_.for_each_block([&](const block_type& b) {
+      if (b.size == 0 || b.size % rules_.round_to != 0) fail("block size not a positive multiple");
+      if (b.address == b.segment->lease.base) {
+        if (previous != nullptr && previous->end() != previous->segment->lease.base + previous->segment->lease.size) {
+          fail("a segment's blocks do not reach its end");
+        }
+        reserved += b.segment->lease.size;
+      } else if (previous == nullptr || previous->segment != b.segment || previous->end() != b.address) {
+        fail("a segment's blocks are not contiguous");
+      }
+      if (b.free) {
+        free_bytes += b.size;
+        if (!arena_.indexed_as_free(b)) fail("free block not in the best-fit index");
+        if (previous != nullptr && previous->free && previous->segment == b.segment) {
+          fail("two free neighbours not coalesced");
+        }
+        if (b.size == b.segment->lease.size) ++free_segments;
+      } else {
+        active += b.requested;
+        allocated += b.size;
+        if (b.requested > b.size) fail("live block smaller than its request");
+      }
+      previous = &b;
+    });
+    if (previous != nullptr && previous->end() != previous->segment->lease.base + previous->segment->lease.size) {
+      fail("the last segment's blocks do not reach its end");
+    }
+    if (active != counters_.s.active_bytes) fail("active bytes disagree with live blocks");
+    if (allocated != counters_.s.allocated_bytes) fail("allocated bytes disagree with live blocks");
+    if (free_bytes != arena_.free_bytes()) fail("free bytes disagree with free blocks");
+    if (reserved != counters_.s.reserved_bytes) fail("reserved bytes disagree with segments");
+    if (free_segments != free_segments_.size()) fail("free segment queue disagrees with free segments");
+  }
+
+  Source source_;
+  caching_rules rules_;
+  arena_type arena_;
+  detail::node_pool<segment> segments_;
+  typename Evict::template queue<segment> free_segments_;
+  detail::usage_counters counters_;
+  [[no_unique_address]] mutable Lock lock_;
+};
+
+}  // namespace glake

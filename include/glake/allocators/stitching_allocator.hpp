@@ -1,0 +1,785 @@
+// The stitching allocator: GMLake's virtual memory stitching. Free physical chunks of several
+// blocks are mapped side by side into a fresh virtual range to serve a request no single free
+// block can; stitched ranges are cached for reuse and dropped by an eviction policy.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <boost/intrusive/set.hpp>
+
+#include "glake/allocators/caching_allocator.hpp"
+#include "glake/backends/concepts.hpp"
+#include "glake/config.hpp"
+#include "glake/detail/accounting.hpp"
+#include "glake/detail/block_arena.hpp"
+#include "glake/detail/node_pool.hpp"
+#include "glake/detail/vmm_backend.hpp"
+#include "glake/policies/eviction.hpp"
+#include "glake/policies/locking.hpp"
+#include "glake/policies/stitching.hpp"
+#include "glake/statistics.hpp"
+#include "glake/stream.hpp"
+
+namespace glake {
+
+/// Physical memory is created in chunks (one provider handle each, `config::chunk_size`, by
+/// default the granularity) that are mapped back to back into a segment's own range; blocks are
+/// runs of whole chunks of a segment. A request larger than `small_limit` is rounded to chunks
+/// and served, in GMLake's order:
+///   1. the best-fitting free block of its stream (split at a chunk boundary);
+///   2. a cached stitched range of size S with R <= S <= R * reuse_limit whose first R bytes of
+///      chunks are all free: those chunks are claimed, the rest stay free for others;
+///   3. a new stitch: the Stitch strategy picks free blocks of the stream, their chunks are mapped
+///      side by side into a fresh range (one map per chunk, one set-access), and the blocks are
+///      claimed (the last one split so the total is exact);
+///   4. new physical memory: a segment of R bytes; with `grow_stitch`, only the shortfall over the
+///      free blocks, stitched with them;
+///   5. under pressure: drop cached stitched mappings and fully free segments (Evict order),
+///      reclaim the small pool's empty segments, and retry; stitching is tried at the ladder's
+///      rung `defrag_level` and above, and only for requests of at least `frag_limit`.
+/// Requests up to `small_limit` go to a caching allocator (the small pool) that borrows
+/// `small_segment`-sized blocks from this pool, never stitches, and returns its empty blocks
+/// whenever this pool would otherwise have to grow.
+///
+/// A stitched range is a new virtual mapping of physical memory that also stays mapped in its
+/// home segment, so cached stitched ranges cost address space and mappings but no memory; their
+/// chunks may be in use elsewhere meanwhile, which is why reuse checks that the needed chunks are
+/// free. Statistics count physical memory once.
+///
+/// Complexity: steps 1 and 2 are O(log n) (step 2 checks a bounded number of candidates); a
+/// stitch costs O(k log n) for k pieces plus one driver map per chunk. No heap allocation on the
+/// cached path once warm.
+/// Thread safety: as the Lock policy; one lock per public call.
+/// Streams: blocks, chunks and stitches belong to the stream whose segment they came from and are
+/// reused only on it; cross-stream reuse and event-ordered release come with the CUDA layer.
+/// Errors: allocate throws out_of_memory (state unchanged, allocator usable); try_allocate returns
+/// null; misuse throws usage_error; a backend failure throws its error after a full rollback.
+template <physical_provider Provider, address_reserver_for<Provider> Reserver,
+          stitching_strategy Stitch = best_fit_tail_stitching, eviction_policy Evict = lru_eviction,
+          lock_policy Lock = no_lock>
+class stitching_allocator {
+  using handle_type = typename Provider::handle_type;
+  using backend_type = detail::vmm_backend<Provider, Reserver>;
+
+  struct segment : eviction_hook {
+    detail::mapped_segment<handle_type> mapping;
+    std::size_t stitch_refs = 0;  ///< pieces of stitched ranges (live or cached) inside it
+  };
+  using arena_type = detail::block_arena<segment>;
+  using block_type = typename arena_type::block_type;
+
+  struct piece {
+    segment* home;
+    std::size_t offset;            ///< into the home segment, chunk-aligned
+    std::size_t size;              ///< whole chunks
+    block_type* claimed = nullptr; ///< the live block holding it while the stitch holds it
+  };
+
+  struct stitch_address_tag;
+  struct stitch_size_tag;
+  using stitch_address_hook =
+      boost::intrusive::set_base_hook<boost::intrusive::tag<stitch_address_tag>,
+                                      boost::intrusive::link_mode<boost::intrusive::normal_link>>;
+  using stitch_size_hook =
+      boost::intrusive::set_base_hook<boost::intrusive::tag<stitch_size_tag>,
+                                      boost::intrusive::link_mode<boost::intrusive::normal_link>>;
+
+  struct stitched : eviction_hook, stitch_address_hook, stitch_size_hook {
+    std::uintptr_t base = 0;
+    std::size_t size = 0;
+    stream_ref stream{};
+    std::vector<piece> pieces;
+    bool live = false;
+    std::size_t requested = 0;
+    std::size_t claimed_bytes = 0;  ///< the prefix of `size` claimed while live
+  };
+  struct stitch_by_address {
+    bool operator()(const stitched& a, const stitched& b) const noexcept { return a.base < b.base; }
+    bool operator()(std::uintptr_t a, const stitched& b) const noexcept { return a < b.base; }
+    bool operator()(const stitched& a, std::uintptr_t b) const noexcept { return a.base < b; }
+  };
+  struct stitch_key {
+    stream_ref stream;
+    std::size_t size;
+  };
+  struct stitch_by_size {
+    bool operator()(const stitched& a, const stitched& b) const noexcept {
+      return a.stream != b.stream ? a.stream < b.stream : a.size < b.size;
+    }
+    bool operator()(const stitch_key& a, const stitched& b) const noexcept {
+      return a.stream != b.stream ? a.stream < b.stream : a.size < b.size;
+    }
+    bool operator()(const stitched& a, const stitch_key& b) const noexcept {
+      return a.stream != b.stream ? a.stream < b.stream : a.size < b.size;
+    }
+  };
+  using stitch_address_set =
+      boost::intrusive::set<stitched, boost::intrusive::base_hook<stitch_address_hook>,
+                            boost::intrusive::compare<stitch_by_address>,
+                            boost::intrusive::constant_time_size<true>>;
+  using stitch_size_set =
+      boost::intrusive::multiset<stitched, boost::intrusive::base_hook<stitch_size_hook>,
+                                 boost::intrusive::compare<stitch_by_size>,
+                                 boost::intrusive::constant_time_size<true>>;
+
+  // The small pool's segment source: blocks of this allocator's large pool.
+  class small_source {
+   public:
+    struct lease_type {
+      std::uintptr_t base = 0;
+      std::size_t size = 0;
+    };
+    explicit small_source(stitching_allocator* parent) noexcept : parent_(parent) {}
+    std::size_t granularity() const noexcept { return parent_->chunk_; }
+    bool try_acquire(std::size_t bytes, stream_ref stream, lease_type& out) {
+      return parent_->lend_to_small(bytes, stream, out);
+    }
+    void release(lease_type& lease) noexcept { parent_->return_from_small(lease); }
+
+   private:
+    stitching_allocator* parent_;
+  };
+  using small_pool = caching_allocator<small_source, no_lock, Evict>;
+
+  static constexpr std::size_t max_candidates = 1024;
+  static constexpr std::size_t max_reuse_probes = 32;
+
+ public:
+  using provider_type = Provider;
+  using reserver_type = Reserver;
+
+  stitching_allocator(Provider provider, Reserver reserver, config cfg = {})
+      : config_(validated(cfg)),
+        backend_(std::move(provider), std::move(reserver), cfg.memory_limit),
+        chunk_(chosen_chunk(config_, backend_.granularity())),
+        small_(small_source(this), small_rules(config_, chunk_)) {
+    candidates_.reserve(max_candidates);
+    candidate_sizes_.reserve(max_candidates);
+    plan_.picks.reserve(max_candidates);
+    pinned_.reserve(256);
+  }
+  stitching_allocator(const stitching_allocator&) = delete;
+  stitching_allocator& operator=(const stitching_allocator&) = delete;
+  ~stitching_allocator() { release_everything(); }
+
+  /// At least `bytes` bytes on `stream`: aligned to `round_to` for small requests and to the
+  /// chunk size for large ones. Zero bytes gives null.
+  void* allocate(std::size_t bytes, stream_ref stream = default_stream) {
+    std::lock_guard guard(lock_);
+    if (bytes == 0) return nullptr;
+    if (void* p = allocate_locked(bytes, stream)) return p;
+    ++counters_.s.failed_allocations;
+    detail::throw_out_of_memory("glake::stitching_allocator", bytes, stream, stats_locked(),
+                                largest_free_block(), backend_.memory_limit());
+  }
+
+  /// As allocate, but null when out of memory.
+  void* try_allocate(std::size_t bytes, stream_ref stream = default_stream) {
+    std::lock_guard guard(lock_);
+    if (bytes == 0) return nullptr;
+    void* p = allocate_locked(bytes, stream);
+    if (p == nullptr) ++counters_.s.failed_allocations;
+    return p;
+  }
+
+  /// Returns memory. `bytes` must be the size given to allocate. Null is ignored.
+  void deallocate(void* p, std::size_t bytes, stream_ref stream = default_stream) {
+    std::lock_guard guard(lock_);
+    deallocate_locked(p, bytes, stream);
+  }
+
+  /// Drops every cached stitched mapping and gives every fully free segment back to the backend
+  /// (PyTorch's empty_cache).
+  void release_cached() {
+    std::lock_guard guard(lock_);
+    evict_stitches(~std::size_t{0});
+    small_.release_free_segments(~std::size_t{0});
+    release_free_segments(~std::size_t{0});
+  }
+
+  statistics stats() const {
+    std::lock_guard guard(lock_);
+    return stats_locked();
+  }
+
+  /// Checks every internal invariant; throws std::logic_error naming the first broken one.
+  void verify() const {
+    std::lock_guard guard(lock_);
+    verify_locked();
+  }
+
+  /// Every pointer returned is aligned to at least this.
+  std::size_t alignment() const noexcept { return config_.round_to; }
+  const config& settings() const noexcept { return config_; }
+  std::size_t chunk_size() const noexcept { return chunk_; }
+  /// The backend's provider and reserver (e.g. to read a simulated device's counters).
+  Provider& provider() noexcept { return backend_.provider(); }
+  Reserver& reserver() noexcept { return backend_.reserver(); }
+
+ private:
+  // ------------------------------------------------------------------ set-up
+  static config validated(const config& cfg) {
+    cfg.validate();
+    return cfg;
+  }
+  static std::size_t chosen_chunk(const config& cfg, std::size_t granularity) {
+    const std::size_t chunk = cfg.chunk_size == 0 ? granularity : cfg.chunk_size;
+    if (chunk % granularity != 0) {
+      throw config_error("glake config: chunk_size must be a multiple of the backend's granularity (" +
+                         format_bytes(granularity) + "), got " + format_bytes(chunk));
+    }
+    if (cfg.small_segment % chunk != 0) {
+      throw config_error("glake config: small_segment (" + format_bytes(cfg.small_segment) +
+                         ") must be a multiple of the chunk size (" + format_bytes(chunk) + ")");
+    }
+    return chunk;
+  }
+  static caching_rules small_rules(const config& cfg, std::size_t) {
+    caching_rules rules;
+    rules.round_to = cfg.round_to;
+    rules.min_segment = cfg.small_segment;
+    rules.segment_threshold = cfg.small_limit + 1;
+    rules.min_split_remainder = cfg.round_to;
+    return rules;
+  }
+
+  // ------------------------------------------------------------------ allocation
+  void* allocate_locked(std::size_t bytes, stream_ref stream) {
+    if (bytes <= config_.small_limit) {
+      void* p = small_.allocate_unlocked(bytes, stream);
+      if (p != nullptr) counters_.on_allocate(bytes, detail::round_up(bytes, config_.round_to));
+      return p;
+    }
+    if (detail::round_up_overflows(bytes, chunk_)) return nullptr;
+    const std::size_t size = detail::round_up(bytes, chunk_);
+    arena_.reserve_nodes(2);
+
+    if (block_type* b = arena_.best_fit(stream, size)) return hand_out(b, size, bytes);
+    if (config_.stitching) {
+      if (void* p = reuse_stitch(size, bytes, stream)) return p;
+    }
+    const bool may_stitch = config_.stitching && size >= config_.frag_limit;
+    for (int rung = 0; rung <= 2; ++rung) {
+      if (may_stitch && rung >= config_.defrag_level) {
+        if (void* p = stitch(size, bytes, stream, false)) return p;
+      }
+      if (rung == 0) {
+        // Empty small-pool blocks cost nothing to take back and may merge into a fit.
+        if (small_.release_free_segments(~std::size_t{0}) > 0) {
+          if (block_type* b = arena_.best_fit(stream, size)) return hand_out(b, size, bytes);
+        }
+      } else if (rung == 1) {
+        evict_stitches(~std::size_t{0});
+        release_free_segments(size);
+      } else {
+        release_free_segments(~std::size_t{0});
+      }
+      if (may_stitch && config_.grow_stitch) {
+        if (void* p = stitch(size, bytes, stream, true)) return p;
+      }
+      if (block_type* b = add_segment(size, stream)) return hand_out(b, size, bytes);
+    }
+    return nullptr;
+  }
+
+  void* hand_out(block_type* b, std::size_t size, std::size_t requested) {
+    leave_free_queue(b);
+    arena_.take(b, size);
+    b->requested = requested;
+    counters_.on_allocate(requested, size);
+    return reinterpret_cast<void*>(b->address);
+  }
+
+  // Step 2: a cached stitched range whose needed chunks are all free.
+  void* reuse_stitch(std::size_t size, std::size_t requested, stream_ref stream) {
+    const double limit = static_cast<double>(size) * config_.reuse_limit;
+    std::size_t probes = 0;
+    for (auto it = cached_by_size_.lower_bound(stitch_key{stream, size}, stitch_by_size{});
+         it != cached_by_size_.end() && it->stream == stream &&
+         static_cast<double>(it->size) <= limit && probes < max_reuse_probes;
+         ++it, ++probes) {
+      stitched& s = *it;
+      if (!prefix_free(s, size)) continue;
+      arena_.reserve_nodes(2 * s.pieces.size());
+      cached_by_size_.erase(it);
+      stitch_queue_.erase(s);
+      counters_.s.cached_stitch_bytes -= s.size;
+      claim_prefix(s, size, requested);
+      ++counters_.s.stitch_cache_hits;
+      return reinterpret_cast<void*>(s.base);
+    }
+    return nullptr;
+  }
+
+  bool prefix_free(const stitched& s, std::size_t size) noexcept {
+    std::size_t need = size;
+    for (const piece& pc : s.pieces) {
+      if (need == 0) break;
+      const std::size_t take = std::min(pc.size, need);
+      const std::uintptr_t at = pc.home->mapping.base + pc.offset;
+      const block_type* b = arena_.containing(at);
+      if (b == nullptr || !b->free || b->end() < at + take) return false;
+      need -= take;
+    }
+    return need == 0;
+  }
+
+  // Claims the first `size` bytes of `s`'s pieces (all free, nodes reserved): cannot fail.
+  void claim_prefix(stitched& s, std::size_t size, std::size_t requested) noexcept {
+    std::size_t need = size;
+    for (piece& pc : s.pieces) {
+      if (need == 0) break;
+      const std::size_t take = std::min(pc.size, need);
+      const std::uintptr_t at = pc.home->mapping.base + pc.offset;
+      block_type* b = arena_.containing(at);
+      leave_free_queue(b);
+      block_type* claimed = arena_.carve(b, at, take);
+      claimed->owner = &s;
+      pc.claimed = claimed;
+      need -= take;
+    }
+    s.live = true;
+    s.requested = requested;
+    s.claimed_bytes = size;
+    counters_.on_allocate(requested, size);
+  }
+
+  // Steps 3 and 4 with grow_stitch: a new stitched range over free blocks (and new memory).
+  void* stitch(std::size_t size, std::size_t requested, stream_ref stream, bool may_grow) {
+    candidates_.clear();
+    candidate_sizes_.clear();
+    arena_.for_each_free_largest_first(stream, [&](block_type& b) {
+      candidates_.push_back(&b);
+      candidate_sizes_.push_back(b.size);
+      return candidates_.size() < max_candidates;
+    });
+    if (candidates_.empty() || (!may_grow && candidates_.size() < 2)) return nullptr;
+    const stitch_request request{size, chunk_, may_grow};
+    if (!strategy_.plan(request, candidate_sizes_, plan_) || !plan_is_sound(size)) return nullptr;
+
+    // New memory first: if it cannot be had, nothing has changed yet.
+    block_type* grown = nullptr;
+    if (plan_.grow_bytes > 0) {
+      grown = add_segment(detail::round_up(plan_.grow_bytes, chunk_), stream);
+      if (grown == nullptr) return nullptr;
+    }
+    stitched* s = nullptr;
+    try {
+      s = stitches_.create();
+      std::size_t need = size;
+      for (std::uint32_t pick : plan_.picks) {
+        block_type* b = candidates_[pick];
+        const std::size_t take = std::min(b->size, need);
+        s->pieces.push_back(piece{b->segment, b->address - b->segment->mapping.base, take});
+        need -= take;
+      }
+      if (grown != nullptr) {
+        const std::size_t take = std::min(grown->size, need);
+        s->pieces.push_back(piece{grown->segment, 0, take});
+        need -= take;
+      }
+      handles_.clear();
+      for (const piece& pc : s->pieces) {
+        const std::size_t first = pc.offset / chunk_;
+        for (std::size_t i = 0; i < pc.size / chunk_; ++i) {
+          handles_.push_back(pc.home->mapping.handles[first + i]);
+        }
+      }
+      arena_.reserve_nodes(2 * s->pieces.size());
+      void* base = backend_.try_map_stitched(handles_, chunk_);
+      if (base == nullptr && !stitch_queue_.empty()) {
+        evict_stitches(~std::size_t{0});  // StitchFree: mappings may be what ran out
+        base = backend_.try_map_stitched(handles_, chunk_);
+      }
+      if (base == nullptr) {
+        abandon_stitch(s, grown);
+        return nullptr;
+      }
+      s->base = reinterpret_cast<std::uintptr_t>(base);
+    } catch (...) {
+      abandon_stitch(s, grown);
+      throw;
+    }
+    s->size = size;
+    s->stream = stream;
+    for (piece& pc : s->pieces) ++pc.home->stitch_refs;
+    stitch_by_address_.insert(*s);
+    claim_prefix(*s, size, requested);
+    ++counters_.s.stitches;
+    return reinterpret_cast<void*>(s->base);
+  }
+
+  bool plan_is_sound(std::size_t size) const noexcept {
+    std::size_t sum = plan_.grow_bytes;
+    for (std::uint32_t pick : plan_.picks) {
+      if (pick >= candidates_.size()) return false;
+      sum += candidate_sizes_[pick];
+    }
+    // Picks must be distinct: a block mapped twice in one range would be claimed twice.
+    for (std::size_t i = 0; i < plan_.picks.size(); ++i) {
+      for (std::size_t j = i + 1; j < plan_.picks.size(); ++j) {
+        if (plan_.picks[i] == plan_.picks[j]) return false;
+      }
+    }
+    return sum >= size && plan_.pieces() >= 2;
+  }
+
+  void abandon_stitch(stitched* s, block_type* grown) noexcept {
+    if (s != nullptr) stitches_.destroy(s);
+    if (grown != nullptr) drop_segment(grown->segment);
+  }
+
+  // A new segment of `bytes` (whole chunks) on `stream`, as one free block; null when out of memory.
+  block_type* add_segment(std::size_t bytes, stream_ref stream) {
+    if (detail::round_up_overflows(bytes, chunk_)) return nullptr;
+    segment* s = segments_.create();
+    try {
+      if (!backend_.try_create_segment(bytes, chunk_, s->mapping)) {
+        segments_.destroy(s);
+        return nullptr;
+      }
+    } catch (...) {
+      segments_.destroy(s);
+      throw;
+    }
+    block_type* b = nullptr;
+    try {
+      b = arena_.add_segment(s, s->mapping.base, s->mapping.size, stream);
+    } catch (...) {
+      backend_.destroy_segment(s->mapping);
+      segments_.destroy(s);
+      throw;
+    }
+    counters_.on_reserve(bytes);
+    s->eviction_bytes_ = bytes;
+    free_segments_.push(*s);  // invariant: queued exactly while its one block is free
+    return b;
+  }
+
+  void leave_free_queue(block_type* b) noexcept {
+    if (b->size == b->segment->mapping.size) free_segments_.erase(*b->segment);
+  }
+  void enter_free_queue(block_type* b) noexcept {
+    if (b->size == b->segment->mapping.size) free_segments_.push(*b->segment);
+  }
+
+  // ------------------------------------------------------------------ small pool's source
+  bool lend_to_small(std::size_t bytes, stream_ref stream, typename small_source::lease_type& out) {
+    arena_.reserve_nodes(1);
+    block_type* b = arena_.best_fit(stream, bytes);
+    if (b == nullptr) b = add_segment(bytes, stream);
+    if (b == nullptr) {
+      // Under pressure, cached mappings and fully free large segments make room for small ones.
+      evict_stitches(~std::size_t{0});
+      if (release_free_segments(bytes) > 0) b = add_segment(bytes, stream);
+    }
+    if (b == nullptr) return false;
+    leave_free_queue(b);
+    arena_.take(b, bytes);
+    b->owner = &small_;
+    out.base = b->address;
+    out.size = bytes;
+    return true;
+  }
+
+  void return_from_small(typename small_source::lease_type& lease) noexcept {
+    block_type* b = arena_.find(lease.base);
+    enter_free_queue(arena_.give_back(b));
+  }
+
+  // ------------------------------------------------------------------ deallocation
+  void deallocate_locked(void* p, std::size_t bytes, stream_ref stream) {
+    if (p == nullptr) return;
+    const auto address = reinterpret_cast<std::uintptr_t>(p);
+    if (bytes != 0 && bytes <= config_.small_limit) {
+      // The small pool checks the size itself and throws on a mismatch.
+      if (small_.deallocate_if_owned(p, bytes, stream)) {
+        counters_.on_deallocate(bytes, detail::round_up(bytes, config_.round_to));
+        return;
+      }
+    }
+    if (block_type* b = arena_.find(address); b != nullptr && !b->free && b->owner == nullptr) {
+#if GLAKE_CHECKED
+      if (b->requested != bytes) detail::throw_size_mismatch(name, p, bytes, b->requested);
+#endif
+      counters_.on_deallocate(b->requested, b->size);
+      enter_free_queue(arena_.give_back(b));
+      return;
+    }
+    auto it = stitch_by_address_.find(address, stitch_by_address{});
+    if (it != stitch_by_address_.end() && it->live) {
+#if GLAKE_CHECKED
+      if (it->requested != bytes) detail::throw_size_mismatch(name, p, bytes, it->requested);
+#endif
+      release_stitch(*it);
+      return;
+    }
+    diagnose_bad_free(p, bytes, stream, it != stitch_by_address_.end());
+  }
+
+  [[noreturn]] void diagnose_bad_free(void* p, std::size_t bytes, stream_ref stream, bool cached_stitch) {
+    // A small allocation freed with a large size: the small pool names the mismatch.
+    if (bytes > config_.small_limit && small_.deallocate_if_owned(p, bytes, stream)) {
+      throw std::logic_error("glake::stitching_allocator: unreachable");
+    }
+    const auto address = reinterpret_cast<std::uintptr_t>(p);
+    const block_type* c = arena_.containing(address);
+    detail::throw_not_live(name, p,
+                           cached_stitch || (c != nullptr && c->free) || small_.inside_free_block(p));
+  }
+
+  void release_stitch(stitched& s) noexcept {
+    for (piece& pc : s.pieces) {
+      if (pc.claimed == nullptr) continue;
+      enter_free_queue(arena_.give_back(pc.claimed));
+      pc.claimed = nullptr;
+    }
+    counters_.on_deallocate(s.requested, s.claimed_bytes);
+    s.live = false;
+    s.requested = 0;
+    s.claimed_bytes = 0;
+    s.eviction_bytes_ = s.size;
+    cached_by_size_.insert(s);
+    stitch_queue_.push(s);
+    counters_.s.cached_stitch_bytes += s.size;
+    if (counters_.s.cached_stitch_bytes > config_.auto_gc) {
+      evict_stitches(counters_.s.cached_stitch_bytes - config_.auto_gc);
+    }
+  }
+
+  // ------------------------------------------------------------------ eviction
+  // Drops cached stitched ranges in Evict order until `bytes` of them are gone.
+  std::size_t evict_stitches(std::size_t bytes) noexcept {
+    std::size_t dropped = 0;
+    while (dropped < bytes) {
+      stitched* s = stitch_queue_.victim();
+      if (s == nullptr) break;
+      dropped += s->size;
+      drop_stitch(s);
+    }
+    return dropped;
+  }
+
+  void drop_stitch(stitched* s) noexcept {
+    stitch_queue_.erase(*s);
+    cached_by_size_.erase(cached_by_size_.iterator_to(*s));
+    stitch_by_address_.erase(stitch_by_address_.iterator_to(*s));
+    counters_.s.cached_stitch_bytes -= s->size;
+    backend_.unmap_stitched(reinterpret_cast<void*>(s->base), s->size / chunk_, chunk_);
+    for (piece& pc : s->pieces) --pc.home->stitch_refs;
+    ++counters_.s.stitch_evictions;
+    stitches_.destroy(s);
+  }
+
+  // Gives fully free segments back to the backend in Evict order until `bytes` are released.
+  // A segment still mapped by a live stitched range stays; cached ranges mapping it are dropped.
+  std::size_t release_free_segments(std::size_t bytes) noexcept {
+    std::size_t released = 0;
+    pinned_.clear();
+    while (released < bytes) {
+      segment* victim = free_segments_.victim();
+      if (victim == nullptr) break;
+      if (victim->stitch_refs > 0) drop_cached_stitches_over(victim);
+      if (victim->stitch_refs > 0) {
+        free_segments_.erase(*victim);
+        if (pinned_.size() == pinned_.capacity()) break;  // no room to remember it: stop here
+        pinned_.push_back(victim);
+        continue;
+      }
+      released += victim->mapping.size;
+      drop_segment(victim);
+    }
+    for (segment* s : pinned_) free_segments_.push(*s);
+    pinned_.clear();
+    return released;
+  }
+
+  void drop_cached_stitches_over(segment* home) noexcept {
+    for (auto it = stitch_by_address_.begin(); it != stitch_by_address_.end();) {
+      stitched& s = *it++;
+      if (s.live) continue;
+      for (const piece& pc : s.pieces) {
+        if (pc.home == home) {
+          drop_stitch(&s);
+          break;
+        }
+      }
+    }
+  }
+
+  void drop_segment(segment* s) noexcept {
+    block_type* b = arena_.find(s->mapping.base);
+    free_segments_.erase(*s);
+    arena_.remove_segment(b);
+    counters_.on_unreserve(s->mapping.size);
+    backend_.destroy_segment(s->mapping);
+    segments_.destroy(s);
+  }
+
+  void release_everything() noexcept {
+    while (!stitch_by_address_.empty()) {
+      stitched& s = *stitch_by_address_.begin();
+      if (!s.live) {
+        drop_stitch(&s);
+        continue;
+      }
+      // A live stitch at destruction is the caller's leak; unmap it all the same.
+      stitch_by_address_.erase(stitch_by_address_.iterator_to(s));
+      backend_.unmap_stitched(reinterpret_cast<void*>(s.base), s.size / chunk_, chunk_);
+      stitches_.destroy(&s);
+    }
+    small_.release_free_segments(~std::size_t{0});
+    std::vector<segment*> all;
+    try {
+      arena_.for_each_block([&](const block_type& b) {
+        if (b.address == b.segment->mapping.base) all.push_back(b.segment);
+      });
+    } catch (...) {
+      return;  // out of host memory while tearing down: leak rather than crash
+    }
+    for (segment* s : all) backend_.destroy_segment(s->mapping);
+  }
+
+  // ------------------------------------------------------------------ reporting
+  std::size_t largest_free_block() const {
+    std::size_t largest = 0;
+    arena_.for_each_block([&](const block_type& b) {
+      if (b.free) largest = std::max(largest, b.size);
+    });
+    return largest;
+  }
+
+  statistics stats_locked() const {
+    statistics s = counters_.s;
+    const statistics small = small_.stats_unlocked();
+    s.splits = arena_.splits() + small.splits;
+    s.merges = arena_.merges() + small.merges;
+    s.driver_calls = backend_.calls();
+    return s;
+  }
+
+  void verify_locked() const {
+    const auto fail = [](const std::string& what) {
+      throw std::logic_error("glake::stitching_allocator invariant broken: " + what);
+    };
+    small_.verify_unlocked();
+    std::size_t active = small_.stats_unlocked().active_bytes, free_bytes = 0, reserved = 0,
+                free_segments = 0, small_blocks = 0, claimed_blocks = 0;
+    const block_type* previous = nullptr;
+    arena_.for_each_block([&](const block_type& b) {
+      const auto& m = b.segment->mapping;
+      if (b.size == 0 || b.size % chunk_ != 0 || (b.address - m.base) % chunk_ != 0) {
+        fail("block not made of whole chunks");
+      }
+      if (b.address == m.base) {
+        if (previous != nullptr && previous->end() != previous->segment->mapping.base + previous->segment->mapping.size) {
+          fail("a segment's blocks do not reach its end");
+        }
+        reserved += m.size;
+      } else if (previous == nullptr || previous->segment != b.segment || previous->end() != b.address) {
+        fail("a segment's blocks are not contiguous");
+      }
+      if (b.free) {
+        free_bytes += b.size;
+        if (!arena_.indexed_as_free(b)) fail("free block not in the best-fit index");
+        if (previous != nullptr && previous->free && previous->segment == b.segment) {
+          fail("two free neighbours not coalesced");
+        }
+        if (b.size == m.size) ++free_segments;
+      } else if (b.owner == nullptr) {
+        active += b.requested;
+      } else if (b.owner == static_cast<const void*>(&small_)) {
+        ++small_blocks;
+      } else {
+        const auto* s = static_cast<const stitched*>(b.owner);
+        bool found = false;
+        for (const piece& pc : s->pieces) found |= pc.claimed == &b;
+        if (!s->live || !found) fail("a block claimed by a stitch that does not hold it");
+        ++claimed_blocks;
+      }
+      previous = &b;
+    });
+    if (previous != nullptr && previous->end() != previous->segment->mapping.base + previous->segment->mapping.size) {
+      fail("the last segment's blocks do not reach its end");
+    }
+    std::size_t cached_bytes = 0, cached = 0, claimed_pieces = 0;
+    std::vector<std::pair<const segment*, std::size_t>> refs;
+    for (const stitched& s : stitch_by_address_) {
+      std::size_t mapped = 0;
+      for (const piece& pc : s.pieces) {
+        mapped += pc.size;
+        auto r = std::find_if(refs.begin(), refs.end(), [&](const auto& e) { return e.first == pc.home; });
+        if (r == refs.end()) {
+          refs.emplace_back(pc.home, 1);
+        } else {
+          ++r->second;
+        }
+        if (pc.claimed != nullptr) {
+          ++claimed_pieces;
+          if (!s.live) fail("a cached stitch still claims a block");
+          const std::uintptr_t at = pc.home->mapping.base + pc.offset;
+          if (pc.claimed->address != at || pc.claimed->owner != &s || pc.claimed->free) {
+            fail("a stitch's claimed block does not match its piece");
+          }
+        }
+      }
+      if (mapped != s.size) fail("a stitch's pieces do not add up to its size");
+      if (s.live) {
+        active += s.requested;
+      } else {
+        ++cached;
+        cached_bytes += s.size;
+      }
+    }
+    for (const auto& [home, count] : refs) {
+      if (home->stitch_refs != count) fail("a segment's stitch reference count is wrong");
+    }
+    if (claimed_pieces != claimed_blocks) fail("claimed blocks and claimed pieces disagree");
+    if (cached != cached_by_size_.size() || cached != stitch_queue_.size()) {
+      fail("cached stitch indexes disagree");
+    }
+    if (cached_bytes != counters_.s.cached_stitch_bytes) fail("cached stitch bytes disagree");
+    if (active != counters_.s.active_bytes) fail("active bytes disagree with live allocations");
+    if (free_bytes != arena_.free_bytes()) fail("free bytes disagree with free blocks");
+    if (reserved != counters_.s.reserved_bytes || reserved != backend_.physical_bytes()) {
+      fail("reserved bytes disagree with segments");
+    }
+    if (free_segments != free_segments_.size()) fail("free segment queue disagrees with free segments");
+    if (small_blocks * config_.small_segment != small_.stats_unlocked().reserved_bytes) {
+      fail("small pool's segments disagree with blocks lent to it");
+    }
+  }
+
+  static constexpr const char* name = "glake::stitching_allocator";
+
+  config config_;
+  backend_type backend_;
+  std::size_t chunk_;
+  arena_type arena_;
+  detail::node_pool<segment> segments_;
+  detail::node_pool<stitched> stitches_;
+  typename Evict::template queue<segment> free_segments_;
+  typename Evict::template queue<stitched> stitch_queue_;
+  stitch_address_set stitch_by_address_;
+  stitch_size_set cached_by_size_;
+  small_pool small_;
+  [[no_unique_address]] Stitch strategy_;
+  detail::usage_counters counters_;
+  // Scratch buffers reused across calls so that stitching does not allocate once warm.
+  std::vector<block_type*> candidates_;
+  std::vector<std::size_t> candidate_sizes_;
+  stitch_plan plan_;
+  std::vector<handle_type> handles_;
+  std::vector<segment*> pinned_;  // segments a live stitch keeps from release (bounded)
+  [[no_unique_address]] mutable Lock lock_;
+};
+
+}  // namespace glake

@@ -1,0 +1,84 @@
+// The two concepts every backend implements: a physical chunk provider and a virtual address
+// reserver, shaped by the rules of CUDA's virtual memory management API.
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+#include <optional>
+
+namespace glake {
+
+/// Where the memory a provider creates lives, as a property users can test.
+enum class memory_location { host, device, simulated };
+
+// ---------------------------------------------------------------------------------------------
+// physical_provider
+//
+// Creates and releases physical memory handles. A handle is the unit of mapping: it is always
+// mapped whole (cuMemMap refuses an offset into a handle), so stitching moves whole handles.
+//
+// | expression           | returns                     | throws                   | meaning
+// |----------------------|-----------------------------|--------------------------|-----------------------------
+// | P::handle_type       |                             |                          | copyable, cheap: names one handle
+// | cp.granularity()     | std::size_t (power of two)  | no                       | every handle size is a multiple
+// | cp.location()        | memory_location             | no                       | where created memory lives
+// | p.try_create(n)      | optional<handle_type>       | driver_error, usage_error| n bytes (a granularity multiple);
+// |                      |                             |                          | empty when out of memory
+// | p.release(h)         | void                        | no                       | h is gone; it must be unmapped
+//
+// Smallest model: sim_provider in backends/sim.hpp.
+// ---------------------------------------------------------------------------------------------
+template <class P>
+concept physical_provider =
+    std::copyable<typename P::handle_type> &&
+    requires(P& p, const P& cp, std::size_t bytes, typename P::handle_type handle) {
+      { cp.granularity() } noexcept -> std::same_as<std::size_t>;
+      { cp.location() } noexcept -> std::same_as<memory_location>;
+      { p.try_create(bytes) } -> std::same_as<std::optional<typename P::handle_type>>;
+      { p.release(handle) } noexcept -> std::same_as<void>;
+    };
+
+// ---------------------------------------------------------------------------------------------
+// address_reserver
+//
+// Reserves virtual address ranges and maps handles into them, following CUDA's rules, which the
+// simulated backend enforces so that code tested on it behaves on the GPU:
+//   - ranges and mappings are aligned to and sized in multiples of the granularity;
+//   - a handle is mapped whole, at any granularity-aligned offset of a reserved range;
+//   - memory is accessible only after set_access over a range of whole mappings;
+//   - unmap takes exactly one earlier mapping (its address and its handle's size);
+//   - a range is freed only when nothing in it is mapped.
+// The same handle may be mapped in several places at once (that is what stitching does).
+//
+// | expression                 | returns        | throws                    | meaning
+// |----------------------------|----------------|---------------------------|-------------------------------
+// | R::handle_type             |                |                           | the provider handles it maps
+// | cr.granularity()           | std::size_t    | no                        | alignment of ranges and mappings
+// | r.try_reserve(n)           | void*          | driver_error, usage_error | null when out of address space
+// | r.free(p, n)               | void           | no                        | the range [p, p+n) from try_reserve
+// | r.try_map(p, n, h)         | bool           | driver_error, usage_error | map h (of n bytes) at p; false
+// |                            |                |                           | when out of resources
+// | r.try_set_access(p, n)     | bool           | driver_error, usage_error | make [p, p+n) readable and
+// |                            |                |                           | writable; false when out of resources
+// | r.unmap(p, n)              | void           | no                        | undo the mapping at p of n bytes
+//
+// Smallest model: sim_reserver in backends/sim.hpp.
+// ---------------------------------------------------------------------------------------------
+template <class R>
+concept address_reserver =
+    std::copyable<typename R::handle_type> &&
+    requires(R& r, const R& cr, std::size_t bytes, void* at, typename R::handle_type handle) {
+      { cr.granularity() } noexcept -> std::same_as<std::size_t>;
+      { r.try_reserve(bytes) } -> std::same_as<void*>;
+      { r.free(at, bytes) } noexcept -> std::same_as<void>;
+      { r.try_map(at, bytes, handle) } -> std::same_as<bool>;
+      { r.try_set_access(at, bytes) } -> std::same_as<bool>;
+      { r.unmap(at, bytes) } noexcept -> std::same_as<void>;
+    };
+
+/// A reserver that maps the handles a given provider creates.
+template <class R, class P>
+concept address_reserver_for = physical_provider<P> && address_reserver<R> &&
+                               std::same_as<typename R::handle_type, typename P::handle_type>;
+
+}  // namespace glake

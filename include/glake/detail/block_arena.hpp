@@ -1,0 +1,268 @@
+// The bookkeeping every glake allocator shares: blocks over segments, a best-fit index of free
+// blocks and an address index of all blocks, with split and coalesce.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <iterator>
+
+#include <boost/intrusive/set.hpp>
+
+#include "glake/detail/node_pool.hpp"
+#include "glake/stream.hpp"
+
+namespace glake::detail {
+
+struct by_size_tag;
+struct by_address_tag;
+using by_size_hook =
+    boost::intrusive::set_base_hook<boost::intrusive::tag<by_size_tag>,
+                                    boost::intrusive::link_mode<boost::intrusive::normal_link>>;
+using by_address_hook =
+    boost::intrusive::set_base_hook<boost::intrusive::tag<by_address_tag>,
+                                    boost::intrusive::link_mode<boost::intrusive::normal_link>>;
+
+/// A contiguous piece of a segment: free, or handed out. Descriptors live on the host in a node
+/// pool, never inside the memory they describe.
+template <class Segment>
+struct block : by_size_hook, by_address_hook {
+  std::uintptr_t address = 0;
+  std::size_t size = 0;
+  Segment* segment = nullptr;
+  stream_ref stream{};
+  std::size_t requested = 0;  ///< what the caller asked for, while the block is live
+  void* owner = nullptr;      ///< who holds a live block when it is not the caller directly
+  bool free = true;
+
+  std::uintptr_t end() const noexcept { return address + size; }
+};
+
+/// Blocks over segments (contiguous address ranges the owner obtained elsewhere). Free blocks sit
+/// in a multiset ordered by (stream, size, address), so best fit is one lower_bound and a
+/// stream's blocks are a contiguous run; every block sits in a set ordered by address, which
+/// gives neighbours for coalescing and the block containing an address. Splits happen at
+/// positions the caller chooses; freed blocks merge with free neighbours of the same segment.
+///
+/// Complexity: O(log n) per operation, no heap allocation once the node pool is warm (callers
+/// that need a no-throw sequence call `reserve_nodes` first).
+/// Thread safety: none; the owning allocator serialises access.
+template <class Segment>
+class block_arena {
+ public:
+  using block_type = block<Segment>;
+
+ private:
+  struct size_key {
+    stream_ref stream;
+    std::size_t size;
+    std::uintptr_t address;
+  };
+  struct size_order {
+    static bool less(stream_ref as, std::size_t az, std::uintptr_t aa, stream_ref bs, std::size_t bz,
+                     std::uintptr_t ba) noexcept {
+      if (as != bs) return as < bs;
+      if (az != bz) return az < bz;
+      return aa < ba;
+    }
+    bool operator()(const block_type& a, const block_type& b) const noexcept {
+      return less(a.stream, a.size, a.address, b.stream, b.size, b.address);
+    }
+    bool operator()(const size_key& a, const block_type& b) const noexcept {
+      return less(a.stream, a.size, a.address, b.stream, b.size, b.address);
+    }
+    bool operator()(const block_type& a, const size_key& b) const noexcept {
+      return less(a.stream, a.size, a.address, b.stream, b.size, b.address);
+    }
+  };
+  struct address_order {
+    bool operator()(const block_type& a, const block_type& b) const noexcept {
+      return a.address < b.address;
+    }
+    bool operator()(std::uintptr_t a, const block_type& b) const noexcept { return a < b.address; }
+    bool operator()(const block_type& a, std::uintptr_t b) const noexcept { return a.address < b; }
+  };
+  using free_set =
+      boost::intrusive::multiset<block_type, boost::intrusive::base_hook<by_size_hook>,
+                                 boost::intrusive::compare<size_order>,
+                                 boost::intrusive::constant_time_size<true>>;
+  using address_set =
+      boost::intrusive::set<block_type, boost::intrusive::base_hook<by_address_hook>,
+                            boost::intrusive::compare<address_order>,
+                            boost::intrusive::constant_time_size<true>>;
+
+ public:
+  block_arena() = default;
+  block_arena(const block_arena&) = delete;
+  block_arena& operator=(const block_arena&) = delete;
+  ~block_arena() { clear(); }
+
+  /// Makes the next `count` splits (or segments added) unable to throw.
+  void reserve_nodes(std::size_t count) { nodes_.reserve(count); }
+
+  /// Adds a segment as one free block; returns it.
+  block_type* add_segment(Segment* segment, std::uintptr_t base, std::size_t size, stream_ref stream) {
+    block_type* b = nodes_.create();
+    b->address = base;
+    b->size = size;
+    b->segment = segment;
+    b->stream = stream;
+    by_address_.insert(*b);
+    free_.insert(*b);
+    free_bytes_ += size;
+    return b;
+  }
+
+  /// Removes a free block that spans its whole segment (the segment is going away).
+  void remove_segment(block_type* b) noexcept {
+    free_.erase(free_.iterator_to(*b));
+    by_address_.erase(by_address_.iterator_to(*b));
+    free_bytes_ -= b->size;
+    nodes_.destroy(b);
+  }
+
+  /// The smallest free block on `stream` of at least `size` bytes, or null.
+  block_type* best_fit(stream_ref stream, std::size_t size) noexcept {
+    auto it = free_.lower_bound(size_key{stream, size, 0}, size_order{});
+    if (it == free_.end() || it->stream != stream) return nullptr;
+    return &*it;
+  }
+
+  /// Calls f(block&) for the free blocks of `stream` from the largest down, while f returns true.
+  template <class F>
+  void for_each_free_largest_first(stream_ref stream, F&& f) {
+    auto it = free_.lower_bound(size_key{stream, ~std::size_t{0}, ~std::uintptr_t{0}}, size_order{});
+    while (it != free_.begin()) {
+      --it;
+      if (it->stream != stream) return;
+      if (!f(*it)) return;
+    }
+  }
+
+  /// Takes free block `b` for a caller. If `keep` is less than its size, the tail from `keep` on
+  /// is split off as a new free block. Needs one node when it splits.
+  block_type* take(block_type* b, std::size_t keep) {
+    if (keep < b->size) split_off_tail(b, keep);
+    erase_free(b);
+    return b;
+  }
+
+  /// Takes the sub-range [address, address + size) out of free block `b`, leaving what lies
+  /// before and after it free. Needs up to two nodes.
+  block_type* carve(block_type* b, std::uintptr_t address, std::size_t size) {
+    if (address > b->address) {
+      split_off_tail(b, address - b->address);
+      b = next(b);
+    }
+    return take(b, size);
+  }
+
+  /// Returns a live block to the free index, merged with free neighbours of the same segment.
+  /// Returns the resulting free block (which may start before `b`).
+  block_type* give_back(block_type* b) noexcept {
+    b->free = true;
+    b->requested = 0;
+    b->owner = nullptr;
+    if (block_type* n = next(b); n != nullptr && n->free && n->segment == b->segment) {
+      erase_free(n);
+      b->size += n->size;
+      by_address_.erase(by_address_.iterator_to(*n));
+      nodes_.destroy(n);
+      ++merges_;
+    }
+    if (block_type* p = prev(b); p != nullptr && p->free && p->segment == b->segment) {
+      erase_free(p);
+      p->size += b->size;
+      by_address_.erase(by_address_.iterator_to(*b));
+      nodes_.destroy(b);
+      b = p;
+      ++merges_;
+    }
+    free_.insert(*b);
+    free_bytes_ += b->size;
+    return b;
+  }
+
+  /// The block that starts exactly at `address`, or null.
+  block_type* find(std::uintptr_t address) noexcept {
+    auto it = by_address_.find(address, address_order{});
+    return it == by_address_.end() ? nullptr : &*it;
+  }
+
+  /// The block whose range holds `address`, or null.
+  block_type* containing(std::uintptr_t address) noexcept {
+    auto it = by_address_.upper_bound(address, address_order{});
+    if (it == by_address_.begin()) return nullptr;
+    --it;
+    return address < it->end() ? &*it : nullptr;
+  }
+
+  block_type* next(block_type* b) noexcept {
+    auto it = ++by_address_.iterator_to(*b);
+    return it == by_address_.end() ? nullptr : &*it;
+  }
+  block_type* prev(block_type* b) noexcept {
+    auto it = by_address_.iterator_to(*b);
+    return it == by_address_.begin() ? nullptr : &*--it;
+  }
+
+  std::size_t free_bytes() const noexcept { return free_bytes_; }
+  std::size_t free_blocks() const noexcept { return free_.size(); }
+  std::size_t blocks() const noexcept { return by_address_.size(); }
+  std::uint64_t splits() const noexcept { return splits_; }
+  std::uint64_t merges() const noexcept { return merges_; }
+
+  /// Visits every block in address order (for invariant checks and reports).
+  template <class F>
+  void for_each_block(F&& f) const {
+    for (const block_type& b : by_address_) f(b);
+  }
+  /// True when `b` is indexed as free exactly where its key says.
+  bool indexed_as_free(const block_type& b) const noexcept {
+    auto it = free_.find(size_key{b.stream, b.size, b.address}, size_order{});
+    return it != free_.end() && &*it == &b;
+  }
+
+ private:
+  void erase_free(block_type* b) noexcept {
+    free_.erase(free_.iterator_to(*b));
+    free_bytes_ -= b->size;
+    b->free = false;
+  }
+
+  // Splits free-or-live block `b` at `keep`; the tail becomes a new free block.
+  void split_off_tail(block_type* b, std::size_t keep) {
+    block_type* tail = nodes_.create();
+    const bool was_free = b->free;
+    if (was_free) {
+      free_.erase(free_.iterator_to(*b));
+      free_bytes_ -= b->size;
+    }
+    tail->address = b->address + keep;
+    tail->size = b->size - keep;
+    tail->segment = b->segment;
+    tail->stream = b->stream;
+    b->size = keep;
+    by_address_.insert_before(std::next(by_address_.iterator_to(*b)), *tail);
+    free_.insert(*tail);
+    free_bytes_ += tail->size;
+    if (was_free) {
+      free_.insert(*b);
+      free_bytes_ += b->size;
+    }
+    ++splits_;
+  }
+
+  void clear() noexcept {
+    free_.clear();
+    by_address_.clear_and_dispose([this](block_type* b) { nodes_.destroy(b); });
+  }
+
+  node_pool<block_type> nodes_;
+  free_set free_;
+  address_set by_address_;
+  std::size_t free_bytes_ = 0;
+  std::uint64_t splits_ = 0;
+  std::uint64_t merges_ = 0;
+};
+
+}  // namespace glake::detail

@@ -1,0 +1,71 @@
+// What an allocator reports about itself: bytes in use and reserved, event counts, driver calls.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+namespace glake {
+
+/// The kinds of backend call an allocator makes; on CUDA they are the driver's VMM calls.
+enum class driver_call : std::uint8_t {
+  create,       ///< cuMemCreate / memfd_create: new physical memory
+  release,      ///< cuMemRelease: physical memory returned
+  reserve,      ///< cuMemAddressReserve: a virtual range reserved
+  address_free, ///< cuMemAddressFree: a virtual range returned
+  map,          ///< cuMemMap: one handle mapped
+  unmap,        ///< cuMemUnmap: one mapped range unmapped
+  set_access,   ///< cuMemSetAccess: access enabled on a mapped range
+};
+inline constexpr std::size_t driver_call_kinds = 7;
+
+constexpr std::string_view to_string(driver_call call) noexcept {
+  constexpr std::string_view names[] = {"create", "release", "reserve", "address_free",
+                                        "map",    "unmap",   "set_access"};
+  return names[static_cast<std::size_t>(call)];
+}
+
+/// Counts of backend calls by kind.
+struct driver_call_counts {
+  std::array<std::uint64_t, driver_call_kinds> counts{};
+
+  std::uint64_t& operator[](driver_call call) noexcept { return counts[static_cast<std::size_t>(call)]; }
+  std::uint64_t operator[](driver_call call) const noexcept {
+    return counts[static_cast<std::size_t>(call)];
+  }
+  std::uint64_t total() const noexcept {
+    std::uint64_t sum = 0;
+    for (auto c : counts) sum += c;
+    return sum;
+  }
+  friend bool operator==(const driver_call_counts&, const driver_call_counts&) = default;
+};
+
+/// A snapshot of an allocator's accounting. "Active" bytes are what callers asked for and still
+/// hold; "reserved" bytes are the physical memory the allocator holds from its backend, whether
+/// in use or cached. A stitched block's memory is counted once, through the physical memory it
+/// maps.
+struct statistics {
+  std::size_t active_bytes = 0;          ///< requested bytes of live allocations
+  std::size_t peak_active_bytes = 0;
+  std::size_t allocated_bytes = 0;       ///< bytes of live blocks after rounding
+  std::size_t peak_allocated_bytes = 0;
+  std::size_t reserved_bytes = 0;        ///< physical bytes held from the backend
+  std::size_t peak_reserved_bytes = 0;
+  std::size_t cached_stitch_bytes = 0;   ///< virtual bytes of stitched mappings kept for reuse
+
+  std::uint64_t allocations = 0;         ///< successful allocate calls (zero-size ones excluded)
+  std::uint64_t deallocations = 0;
+  std::uint64_t failed_allocations = 0;  ///< requests that ended in out-of-memory
+  std::uint64_t splits = 0;              ///< free blocks split to serve a smaller request
+  std::uint64_t merges = 0;              ///< free neighbours coalesced
+  std::uint64_t segments_created = 0;    ///< growths: new physical memory mapped as a segment
+  std::uint64_t segments_released = 0;
+  std::uint64_t stitches = 0;            ///< new stitched ranges built
+  std::uint64_t stitch_cache_hits = 0;   ///< requests served by a cached stitched range
+  std::uint64_t stitch_evictions = 0;    ///< cached stitched ranges unmapped
+  driver_call_counts driver_calls{};
+};
+
+}  // namespace glake
