@@ -177,6 +177,7 @@ class block_arena {
       b = p;
       ++merges_;
     }
+    b->free = true;  // erase_free cleared it on a merged predecessor
     free_.insert(*b);
     free_bytes_ += b->size;
     return b;

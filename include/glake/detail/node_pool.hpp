@@ -37,10 +37,16 @@ class node_pool {
   T* create(Args&&... args) {
     if (free_ == nullptr) grow(next_slab_);
     slot* s = free_;
-    T* object = ::new (static_cast<void*>(s->storage)) T(std::forward<Args>(args)...);
-    free_ = s->next;  // only after the constructor succeeded
+    free_ = s->next;  // read before the object's constructor overwrites the link
     --free_count_;
-    return object;
+    try {
+      return ::new (static_cast<void*>(s->storage)) T(std::forward<Args>(args)...);
+    } catch (...) {
+      s->next = free_;
+      free_ = s;
+      ++free_count_;
+      throw;
+    }
   }
 
   void destroy(T* object) noexcept {
