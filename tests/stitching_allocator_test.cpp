@@ -1,0 +1,366 @@
+// What is specific to the stitching allocator: when it stitches, what it reuses and evicts, its
+// knobs, its small pool, and rollback when any backend call fails.
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "glake/allocators/stitching_allocator.hpp"
+#include "glake/backends/fault_injection.hpp"
+#include "glake/backends/sim.hpp"
+
+namespace {
+
+using namespace glake;
+using sim_stitching = stitching_allocator<sim_provider, sim_reserver>;
+constexpr std::size_t M = MiB;
+
+std::uint64_t handle_at(const sim_device& device, const void* p, std::size_t offset = 0) {
+  auto where = device.resolve(static_cast<const char*>(p) + offset);
+  REQUIRE(where.has_value());
+  return where->handle;
+}
+
+config stitch_everything() {
+  config cfg;
+  cfg.frag_limit = 0;
+  return cfg;
+}
+
+// Four 100 MiB blocks, the first and third freed: 200 MiB free in two separate pieces.
+struct fragmented {
+  void* blocks[4];
+  std::uint64_t handles[4];
+  template <class A>
+  fragmented(A& allocator, const sim_device& device) {
+    for (int i = 0; i < 4; ++i) {
+      blocks[i] = allocator.allocate(100 * M);
+      handles[i] = handle_at(device, blocks[i]);
+    }
+    allocator.deallocate(blocks[0], 100 * M);
+    allocator.deallocate(blocks[2], 100 * M);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("stitching: free blocks are mapped side by side and serve a larger request without new memory") {
+  sim_device device(400 * M);  // full after four blocks: no growth possible
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, stitch_everything());
+  fragmented f(allocator, device);
+  void* p = allocator.allocate(200 * M);
+  const statistics s = allocator.stats();
+  CHECK(s.stitches == 1);
+  CHECK(s.reserved_bytes == 400 * M);
+  CHECK(s.active_bytes == 400 * M);
+  // The stitched range is new address space over the freed blocks' physical chunks.
+  CHECK(p != f.blocks[0]);
+  CHECK(p != f.blocks[2]);
+  const std::uint64_t first = handle_at(device, p), second = handle_at(device, p, 100 * M);
+  CHECK(((first == f.handles[0] && second == f.handles[2]) || (first == f.handles[2] && second == f.handles[0])));
+  allocator.verify();
+  allocator.deallocate(p, 200 * M);
+  allocator.verify();
+  CHECK(allocator.stats().cached_stitch_bytes == 200 * M);
+  CHECK(device.violations() == 0);
+}
+
+TEST_CASE("stitching: a cached stitched range is reused only while the chunks it needs are free") {
+  sim_device device(1 * GiB);
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, stitch_everything());
+  fragmented f(allocator, device);
+  void* stitched = allocator.allocate(200 * M);
+  allocator.deallocate(stitched, 200 * M);
+
+  void* hole = allocator.allocate(100 * M);  // best fit: one of the stitch's chunks, in place
+  void* other = allocator.allocate(200 * M);  // the cached range is not free: new memory instead
+  CHECK(other != stitched);
+  CHECK(allocator.stats().stitch_cache_hits == 0);
+  CHECK(allocator.stats().reserved_bytes == 600 * M);
+  allocator.verify();
+
+  allocator.deallocate(hole, 100 * M);
+  void* again = allocator.allocate(200 * M);
+  CHECK(again == stitched);
+  CHECK(allocator.stats().stitch_cache_hits == 1);
+  CHECK(allocator.stats().stitches == 1);
+  allocator.verify();
+  allocator.deallocate(again, 200 * M);
+  allocator.deallocate(other, 200 * M);
+  for (int i : {1, 3}) allocator.deallocate(f.blocks[i], 100 * M);
+  allocator.verify();
+}
+
+TEST_CASE("stitching: under memory pressure cached stitched mappings are dropped (StitchFree)") {
+  sim_device device(400 * M);
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, stitch_everything());
+  fragmented f(allocator, device);
+  void* stitched = allocator.allocate(200 * M);
+  allocator.deallocate(stitched, 200 * M);
+  const std::size_t mappings = device.live_mappings();
+  void* hole = allocator.allocate(100 * M);
+  CHECK(allocator.try_allocate(200 * M) == nullptr);  // cannot fit: the ladder ends in StitchFree
+  CHECK(allocator.stats().stitch_evictions == 1);
+  CHECK(allocator.stats().cached_stitch_bytes == 0);
+  // The stitch's 100 chunk mappings are gone, and so is the fully free segment (50 chunks) that
+  // the ladder released before giving up.
+  CHECK(device.live_mappings() == mappings - 100 - 50);
+  CHECK(allocator.stats().reserved_bytes == 300 * M);
+  allocator.verify();
+  allocator.deallocate(hole, 100 * M);
+  for (int i : {1, 3}) allocator.deallocate(f.blocks[i], 100 * M);
+  allocator.verify();
+}
+
+TEST_CASE("stitching: reuse_limit bounds how much larger a reused stitched range may be") {
+  for (double limit : {10.0, 2.0}) {
+    CAPTURE(limit);
+    sim_device device(800 * M);
+    config cfg = stitch_everything();
+    cfg.reuse_limit = limit;
+    sim_stitching allocator(sim_provider{device}, sim_reserver{device}, cfg);
+    std::vector<void*> blocks;
+    for (int i = 0; i < 8; ++i) blocks.push_back(allocator.allocate(100 * M));
+    for (int i = 0; i < 8; i += 2) allocator.deallocate(blocks[i], 100 * M);
+    void* wide = allocator.allocate(400 * M);  // stitches all four free blocks
+    allocator.deallocate(wide, 400 * M);
+    void* narrow = allocator.allocate(150 * M);  // no single free block fits
+    const statistics s = allocator.stats();
+    if (limit == 10.0) {
+      CHECK(narrow == wide);  // 400 <= 150 * 10: the cached range serves it, claiming 150 MiB
+      CHECK(s.stitch_cache_hits == 1);
+      CHECK(s.stitches == 1);
+      // The unclaimed chunks stay free for others: 250 MiB more still fits on the full device.
+      void* rest = allocator.allocate(250 * M);
+      allocator.deallocate(rest, 250 * M);
+    } else {
+      CHECK(narrow != wide);  // 400 > 150 * 2: a new, exact stitch instead
+      CHECK(s.stitch_cache_hits == 0);
+      CHECK(s.stitches == 2);
+    }
+    allocator.verify();
+    allocator.deallocate(narrow, 150 * M);
+    for (int i = 1; i < 8; i += 2) allocator.deallocate(blocks[i], 100 * M);
+    allocator.verify();
+  }
+}
+
+TEST_CASE("stitching: frag_limit keeps small requests from stitching; they grow instead") {
+  sim_device device(4 * GiB);
+  config cfg;
+  cfg.frag_limit = 512 * M;  // GMLake's default
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, cfg);
+  fragmented f(allocator, device);
+  void* p = allocator.allocate(200 * M);
+  CHECK(allocator.stats().stitches == 0);
+  CHECK(allocator.stats().reserved_bytes == 600 * M);
+  void* q = allocator.allocate(600 * M);  // above the limit: stitches 200 MiB free... not enough,
+  CHECK(allocator.stats().reserved_bytes == 1200 * M);  // and without grow_stitch it grows
+  allocator.deallocate(p, 200 * M);
+  allocator.deallocate(q, 600 * M);
+  allocator.verify();
+}
+
+TEST_CASE("stitching: grow_stitch creates only the shortfall and stitches it with the free blocks") {
+  sim_device device(4 * GiB);
+  config cfg = stitch_everything();
+  cfg.grow_stitch = true;
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, cfg);
+  fragmented f(allocator, device);
+  void* p = allocator.allocate(300 * M);
+  const statistics s = allocator.stats();
+  CHECK(s.stitches == 1);
+  CHECK(s.reserved_bytes == 500 * M);  // 400 + the missing 100, not 400 + 300
+  CHECK(s.active_bytes == 500 * M);
+  allocator.verify();
+  allocator.deallocate(p, 300 * M);
+  allocator.verify();
+}
+
+TEST_CASE("stitching: defrag_level 1 grows while it can and stitches only when growth fails") {
+  sim_device device(500 * M);
+  config cfg = stitch_everything();
+  cfg.defrag_level = 1;
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, cfg);
+  fragmented f(allocator, device);
+  void* grown = allocator.allocate(100 * M);  // fits as a primitive block: no stitch
+  allocator.deallocate(grown, 100 * M);
+  void* p = allocator.allocate(200 * M);  // 100 MiB of device left: growth fails, then it stitches
+  CHECK(allocator.stats().stitches == 1);
+  CHECK(allocator.stats().reserved_bytes <= 500 * M);
+  allocator.deallocate(p, 200 * M);
+  allocator.verify();
+}
+
+TEST_CASE("stitching: auto_gc caps cached stitched bytes by unmapping the least recently used") {
+  sim_device device(2 * GiB);
+  config cfg = stitch_everything();
+  cfg.auto_gc = 250 * M;
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, cfg);
+  std::vector<void*> blocks;
+  for (int i = 0; i < 12; ++i) blocks.push_back(allocator.allocate(50 * M));
+  for (int i = 0; i < 12; i += 2) allocator.deallocate(blocks[i], 50 * M);
+  // Three different stitches of 100 MiB over the six free 50 MiB blocks, each cached in turn.
+  void* a = allocator.allocate(100 * M);
+  void* b = allocator.allocate(100 * M);
+  void* c = allocator.allocate(100 * M);
+  CHECK(allocator.stats().stitches == 3);
+  const std::size_t mappings_live = device.live_mappings();
+  allocator.deallocate(a, 100 * M);
+  allocator.deallocate(b, 100 * M);
+  CHECK(allocator.stats().stitch_evictions == 0);
+  allocator.deallocate(c, 100 * M);  // 300 MiB cached > 250 MiB: the oldest (a) goes
+  const statistics s = allocator.stats();
+  CHECK(s.stitch_evictions == 1);
+  CHECK(s.cached_stitch_bytes == 200 * M);
+  CHECK(device.live_mappings() == mappings_live - 50);  // a's 50 chunk mappings are gone
+  allocator.verify();
+  for (int i = 1; i < 12; i += 2) allocator.deallocate(blocks[i], 50 * M);
+  allocator.release_cached();
+  CHECK(device.live_mappings() == 0);
+  CHECK(device.violations() == 0);
+}
+
+TEST_CASE("stitching: the small pool never stitches and gives its empty blocks back before the pool grows") {
+  sim_device device(10 * M);
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, stitch_everything());
+  std::vector<void*> small;
+  for (int i = 0; i < 2000; ++i) small.push_back(allocator.allocate(4096));  // ~8 MiB: 4 blocks
+  CHECK(allocator.stats().reserved_bytes == 8 * M);
+  CHECK(allocator.stats().stitches == 0);
+  for (void* p : small) allocator.deallocate(p, 4096);
+  void* large = allocator.allocate(10 * M);  // needs the small pool's memory back
+  REQUIRE(large != nullptr);
+  CHECK(allocator.stats().reserved_bytes <= 10 * M);
+  allocator.verify();
+  allocator.deallocate(large, 10 * M);
+  allocator.verify();
+}
+
+TEST_CASE("stitching: invalid configurations are refused at construction") {
+  sim_device device(1 * GiB);
+  config cfg;
+  cfg.chunk_size = 3 * M;  // not a multiple of the 2 MiB granularity
+  CHECK_THROWS_AS(sim_stitching(sim_provider{device}, sim_reserver{device}, cfg), config_error);
+  cfg = config{};
+  cfg.reuse_limit = 0.5;
+  CHECK_THROWS_AS(sim_stitching(sim_provider{device}, sim_reserver{device}, cfg), config_error);
+  cfg = config{};
+  cfg.chunk_size = 4 * M;  // small_segment (2 MiB) is not a multiple of it
+  CHECK_THROWS_AS(sim_stitching(sim_provider{device}, sim_reserver{device}, cfg), config_error);
+  cfg.small_segment = 4 * M;
+  CHECK_NOTHROW(sim_stitching(sim_provider{device}, sim_reserver{device}, cfg));
+}
+
+TEST_CASE("stitching: larger chunks mean fewer driver calls for the same request") {
+  for (std::size_t chunk : {2 * M, 32 * M}) {
+    CAPTURE(chunk);
+    sim_device device(4 * GiB);
+    config cfg;
+    cfg.chunk_size = chunk;
+    cfg.small_segment = chunk;
+    sim_stitching allocator(sim_provider{device}, sim_reserver{device}, cfg);
+    void* p = allocator.allocate(1 * GiB);
+    CHECK(allocator.stats().driver_calls[driver_call::create] == GiB / chunk);
+    CHECK(allocator.stats().driver_calls[driver_call::map] == GiB / chunk);
+    CHECK(allocator.stats().driver_calls[driver_call::set_access] == 1);
+    allocator.deallocate(p, 1 * GiB);
+  }
+}
+
+// ------------------------------------------------------------------------- rollback
+
+namespace {
+
+using faulty_stitching = stitching_allocator<fault_injecting_provider<sim_provider>,
+                                             fault_injecting_reserver<sim_reserver>>;
+
+struct snapshot {
+  std::size_t active, allocated, reserved, cached_stitches, physical, handles, mappings, address_space;
+  std::uint64_t allocations, stitches;
+  template <class A>
+  snapshot(const A& allocator, const sim_device& device)
+      : active(allocator.stats().active_bytes),
+        allocated(allocator.stats().allocated_bytes),
+        reserved(allocator.stats().reserved_bytes),
+        cached_stitches(allocator.stats().cached_stitch_bytes),
+        physical(device.physical_bytes()),
+        handles(device.live_handles()),
+        mappings(device.live_mappings()),
+        address_space(device.reserved_bytes()),
+        allocations(allocator.stats().allocations),
+        stitches(allocator.stats().stitches) {}
+  friend bool operator==(const snapshot&, const snapshot&) = default;
+};
+
+// Builds a scenario fresh for every n, fails its nth backend call inside `request`, and checks
+// that a failed request left allocator and device exactly as they were, and that a request that
+// succeeded by another path left them consistent. Returns how many call sites were exercised.
+int fail_every_call_site(std::size_t capacity, config cfg,
+                         const std::function<void(faulty_stitching&, const sim_device&)>& prepare,
+                         std::size_t request) {
+  int sites = 0;
+  for (std::uint64_t n = 1;; ++n) {
+    CAPTURE(n);
+    sim_device device(capacity);
+    fault_plan plan;
+    faulty_stitching allocator(fault_injecting_provider<sim_provider>(sim_provider{device}, plan),
+                               fault_injecting_reserver<sim_reserver>(sim_reserver{device}, plan), cfg);
+    prepare(allocator, device);
+    const snapshot before(allocator, device);
+    plan.fail_nth_call(n);
+    void* p = allocator.try_allocate(request);
+    const bool injected = plan.faults_injected() > 0;
+    plan.never_fail();
+    allocator.verify();
+    REQUIRE(device.violations() == 0);
+    if (!injected) {
+      REQUIRE(p != nullptr);  // past the last call site: the request runs clean
+      allocator.deallocate(p, request);
+      break;
+    }
+    ++sites;
+    if (p == nullptr) {
+      CHECK(snapshot(allocator, device) == before);
+      p = allocator.try_allocate(request);  // and the allocator is usable afterwards
+      REQUIRE(p != nullptr);
+    }
+    allocator.deallocate(p, request);
+    allocator.verify();
+    allocator.release_cached();
+    REQUIRE(device.violations() == 0);
+  }
+  return sites;
+}
+
+}  // namespace
+
+TEST_CASE("rollback: a failure at any call of a growth leaves everything as it was") {
+  const int sites = fail_every_call_site(
+      4 * GiB, config{}, [](faulty_stitching&, const sim_device&) {}, 64 * M);
+  CHECK(sites >= 32 + 1 + 32 + 1);  // 32 creates, a reserve, 32 maps, a set-access
+}
+
+TEST_CASE("rollback: a failure at any call of a stitch leaves everything as it was") {
+  const int sites = fail_every_call_site(
+      400 * M, stitch_everything(),
+      [](faulty_stitching& a, const sim_device& d) { fragmented f(a, d); }, 200 * M);
+  CHECK(sites >= 1 + 100 + 1);  // a reserve, 100 maps, a set-access
+}
+
+TEST_CASE("rollback: a failure at any call of a grow-and-stitch leaves everything as it was") {
+  config cfg = stitch_everything();
+  cfg.grow_stitch = true;
+  const int sites = fail_every_call_site(
+      500 * M, cfg, [](faulty_stitching& a, const sim_device& d) { fragmented f(a, d); }, 300 * M);
+  CHECK(sites >= (50 + 1 + 50 + 1) + (1 + 150 + 1));  // the new segment, then the stitch
+}
+
+TEST_CASE("rollback: a failure while the small pool grows leaves everything as it was") {
+  const int sites = fail_every_call_site(
+      4 * GiB, config{}, [](faulty_stitching&, const sim_device&) {}, 1000);
+  CHECK(sites >= 4);  // a create, a reserve, a map, a set-access
+}
