@@ -138,10 +138,10 @@ class caching_allocator {
 
   void* allocate_unlocked(std::size_t bytes, stream_ref stream) { return allocate_locked(bytes, stream); }
   /// False when `p` is not a live block of this allocator (nothing changed then).
-  bool deallocate_if_owned(void* p, std::size_t bytes, stream_ref stream) {
+  bool deallocate_if_owned(void* p, std::size_t bytes, stream_ref) {
     block_type* b = arena_.find(reinterpret_cast<std::uintptr_t>(p));
     if (b == nullptr || b->free) return false;
-    deallocate_locked(p, bytes, stream);
+    release_block(b, p, bytes);
     return true;
   }
   /// Releases fully free segments until at least `bytes` were released; returns what was.
@@ -195,6 +195,11 @@ class caching_allocator {
       const block_type* c = arena_.containing(address);
       detail::throw_not_live("glake::caching_allocator", p, c != nullptr && c->free);
     }
+    release_block(b, p, bytes);
+  }
+
+  // Frees live block `b`, which the caller found at `p`.
+  void release_block(block_type* b, [[maybe_unused]] void* p, std::size_t bytes) {
 #if GLAKE_CHECKED
     if (b->requested != bytes) detail::throw_size_mismatch("glake::caching_allocator", p, bytes, b->requested);
 #else

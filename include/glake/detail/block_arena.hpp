@@ -141,8 +141,10 @@ class block_arena {
   /// Takes free block `b` for a caller. If `keep` is less than its size, the tail from `keep` on
   /// is split off as a new free block. Needs one node when it splits.
   block_type* take(block_type* b, std::size_t keep) {
-    if (keep < b->size) split_off_tail(b, keep);
-    erase_free(b);
+    const bool split = keep < b->size;
+    if (split) nodes_.reserve(1);  // the only step that can throw, before anything changes
+    erase_free(b);                 // first, so that the split does not re-index `b` for nothing
+    if (split) split_off_tail(b, keep);
     return b;
   }
 
