@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "glake/allocators/caching_allocator.hpp"
+#include "glake/allocators/segregator.hpp"
 #include "glake/allocators/stitching_allocator.hpp"
 #include "glake/backends/sim.hpp"
 
@@ -47,6 +48,29 @@ GLAKE_FIXTURE(stitching_gmlake_fixture,
               (stitching_allocator<sim_provider, sim_reserver, largest_first_stitching,
                                    largest_first_eviction, mutex_lock>),
               sim_provider{device}, sim_reserver{device});
+// PyTorch's layout: small requests in 2 MiB segments, large ones in 20 MiB or own-size segments.
+caching_rules pytorch_large_rules() {
+  caching_rules rules;
+  rules.min_segment = 20 * MiB;
+  rules.segment_threshold = 10 * MiB;
+  rules.min_split_remainder = MiB + 512;
+  return rules;
+}
+using pytorch_like = segregator<caching_allocator<sim_source>, caching_allocator<sim_source>>;
+GLAKE_FIXTURE(segregator_fixture, (pytorch_like), MiB,
+              std::tuple{sim_source{sim_provider{device}, sim_reserver{device}}},
+              std::tuple{sim_source{sim_provider{device}, sim_reserver{device}}, pytorch_large_rules()});
+// GMLake's layout: PyTorch's small pool beside a stitching pool with no small pool of its own.
+config no_small_pool() {
+  config cfg;
+  cfg.small_limit = 0;
+  return cfg;
+}
+using gmlake_like = segregator<caching_allocator<sim_source>,
+                               stitching_allocator<sim_provider, sim_reserver, largest_first_stitching>, mutex_lock>;
+GLAKE_FIXTURE(segregator_stitching_fixture, (gmlake_like), MiB,
+              std::tuple{sim_source{sim_provider{device}, sim_reserver{device}}},
+              std::tuple{sim_provider{device}, sim_reserver{device}, no_small_pool()});
 GLAKE_FIXTURE(stitching_never_fixture, (stitching_allocator<sim_provider, sim_reserver, no_stitching>),
               sim_provider{device}, sim_reserver{device});
 
@@ -60,7 +84,7 @@ bool same_accounting(const statistics& a, const statistics& b) {
 
 #define GLAKE_ALLOCATOR_FIXTURES                                                                  \
   caching_fixture, caching_mutex_largest_first_fixture, stitching_fixture, stitching_gmlake_fixture, \
-      stitching_never_fixture
+      stitching_never_fixture, segregator_fixture, segregator_stitching_fixture
 
 TEST_CASE_TEMPLATE("allocator conformance: live allocations are distinct, aligned and accounted", F,
                    GLAKE_ALLOCATOR_FIXTURES) {

@@ -42,7 +42,7 @@ struct config {
                                          ///< the missing bytes and stitch them with the free ones
 
   // --- glake's own ---
-  std::size_t small_limit = 1 * MiB;     ///< requests up to this go to the small pool
+  std::size_t small_limit = 1 * MiB;     ///< requests up to this go to the small pool; 0: none
   std::size_t small_segment = 2 * MiB;   ///< the unit the small pool takes from the large pool
   std::size_t round_to = 512;            ///< every request is rounded up to a multiple of this
   std::size_t chunk_size = 0;            ///< physical handle size; 0 means the provider's granularity
@@ -368,8 +368,8 @@ inline std::optional<config_issue> find_config_issue(const config& c) {
     return issue("small_segment", "must be a multiple of round_to = " + bytes(c.round_to) +
                                       " (got " + bytes(c.small_segment) + ")");
   }
-  if (c.small_limit < c.round_to) {
-    return issue("small_limit", "must be >= round_to = " + bytes(c.round_to) + " (got " +
+  if (c.small_limit != 0 && c.small_limit < c.round_to) {
+    return issue("small_limit", "must be 0 (no small pool) or >= round_to = " + bytes(c.round_to) + " (got " +
                                     bytes(c.small_limit) + ")");
   }
   if (c.small_limit > c.small_segment) {

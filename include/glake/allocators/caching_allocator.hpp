@@ -113,6 +113,12 @@ class caching_allocator {
     return b != nullptr && !b->free;
   }
 
+  /// Physical bytes held now (what stats().reserved_bytes says, without copying the rest).
+  std::size_t reserved_bytes() const {
+    std::lock_guard guard(lock_);
+    return counters_.s.reserved_bytes;
+  }
+
   /// Checks every internal invariant; throws std::logic_error naming the first broken one.
   void verify() const {
     std::lock_guard guard(lock_);
@@ -218,6 +224,11 @@ class caching_allocator {
   block_type* grow(std::size_t size, stream_ref stream) {
     const std::size_t granularity = source_.granularity();
     if (detail::round_up_overflows(size, granularity)) return nullptr;
+    if constexpr (extensible_segment_source<Source>) {
+      // One segment per stream that grows at its end, so its last free block and the new pages
+      // form one block (PyTorch's expandable segments).
+      if (segment* s = segment_of(stream)) return extend(s, size, stream);
+    }
     const std::size_t bytes = size < rules_.segment_threshold
                                   ? std::max(rules_.min_segment, detail::round_up(size, granularity))
                                   : detail::round_up(size, granularity);
@@ -226,6 +237,31 @@ class caching_allocator {
     if (block_type* b = try_add_segment(bytes, stream)) return b;
     if (release_free_segments(~std::size_t{0}) == 0) return nullptr;
     return try_add_segment(bytes, stream);
+  }
+
+  segment* segment_of(stream_ref stream) const noexcept {
+    for (const auto& [owner, s] : stream_segments_) {
+      if (owner == stream) return s;
+    }
+    return nullptr;
+  }
+
+  block_type* extend(segment* s, std::size_t size, stream_ref stream) {
+    const std::uintptr_t end = s->lease.base + s->lease.size;
+    const block_type* last = arena_.containing(end - 1);
+    const std::size_t tail = last->free ? last->size : 0;
+    const bool was_whole_free = last->free && last->size == s->lease.size;
+    const std::size_t bytes = detail::round_up(size - tail, source_.granularity());
+    arena_.reserve_nodes(1);
+    if (!source_.try_extend(s->lease, bytes)) return nullptr;
+    if (was_whole_free) free_segments_.erase(*s);
+    block_type* b = arena_.extend_segment(s, end, bytes, stream);
+    counters_.on_extend(bytes);
+    if (b->size == s->lease.size) {
+      s->eviction_bytes_ = b->size;
+      free_segments_.push(*s);
+    }
+    return b;
   }
 
   block_type* try_add_segment(std::size_t bytes, stream_ref stream) {
@@ -247,6 +283,16 @@ class caching_allocator {
       segments_.destroy(s);
       throw;
     }
+    if constexpr (extensible_segment_source<Source>) {
+      try {
+        stream_segments_.emplace_back(stream, s);
+      } catch (...) {
+        arena_.remove_segment(b);
+        source_.release(s->lease);
+        segments_.destroy(s);
+        throw;
+      }
+    }
     counters_.on_reserve(bytes);
     s->eviction_bytes_ = bytes;
     free_segments_.push(*s);  // invariant: queued exactly while its one block is free
@@ -254,6 +300,7 @@ class caching_allocator {
   }
 
   void drop_segment(segment* s) noexcept {
+    std::erase_if(stream_segments_, [s](const auto& entry) { return entry.second == s; });
     block_type* b = arena_.find(s->lease.base);
     free_segments_.erase(*s);
     arena_.remove_segment(b);
@@ -336,6 +383,7 @@ class caching_allocator {
   arena_type arena_;
   detail::node_pool<segment> segments_;
   typename Evict::template queue<segment> free_segments_;
+  std::vector<std::pair<stream_ref, segment*>> stream_segments_;  // extensible sources only
   detail::usage_counters counters_;
   [[no_unique_address]] mutable Lock lock_;
 };

@@ -6,6 +6,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <utility>
+#include <vector>
+#include <algorithm>
+#include <stdexcept>
 
 #include "glake/backends/concepts.hpp"
 #include "glake/detail/vmm_backend.hpp"
@@ -39,6 +42,15 @@ concept segment_source =
       { s.release(lease) } noexcept;
     };
 
+/// A source whose segments can grow in place: `s.try_extend(lease, n)` maps n more bytes right
+/// after the lease's end (lease.size grows by n) or returns false, changing nothing. The caching
+/// allocator then keeps one growing segment per stream, like PyTorch's expandable segments.
+template <class S>
+concept extensible_segment_source =
+    segment_source<S> && requires(S& s, typename S::lease_type& lease, std::size_t bytes) {
+      { s.try_extend(lease, bytes) } -> std::same_as<bool>;
+    };
+
 /// Makes every segment one physical handle mapped into its own reservation: the virtual-memory
 /// equivalent of one cudaMalloc per segment. Optionally holds the physical bytes under a limit.
 /// Not thread-safe; the allocator that owns it serialises access.
@@ -60,6 +72,132 @@ class vmm_segment_source {
 
  private:
   detail::vmm_backend<Provider, Reserver> backend_;
+};
+
+}  // namespace glake
+
+namespace glake {
+
+/// PyTorch's expandable segments: each segment reserves a large virtual range up front and maps
+/// `page`-sized physical handles into it as it grows (one create and map per page, one
+/// set-access per growth). Freed pages stay mapped until the whole segment is released.
+/// Not thread-safe; the allocator that owns it serialises access.
+template <physical_provider Provider, address_reserver_for<Provider> Reserver>
+class expandable_segment_source {
+ public:
+  using handle_type = typename Provider::handle_type;
+  struct lease_type {
+    std::uintptr_t base = 0;
+    std::size_t size = 0;      ///< mapped bytes, from base
+    std::size_t reserved = 0;  ///< virtual bytes reserved
+    std::vector<handle_type> pages;
+  };
+
+  expandable_segment_source(Provider provider, Reserver reserver, std::size_t page,
+                            std::size_t virtual_size, std::size_t memory_limit = 0)
+      : provider_(std::move(provider)),
+        reserver_(std::move(reserver)),
+        page_(page),
+        virtual_size_(virtual_size),
+        limit_(memory_limit) {
+    const std::size_t g = std::max(provider_.granularity(), reserver_.granularity());
+    if (page_ == 0 || page_ % g != 0 || virtual_size_ % page_ != 0) {
+      throw std::invalid_argument(
+          "expandable_segment_source: page must be a multiple of the granularity and "
+          "virtual_size a multiple of page");
+    }
+  }
+
+  std::size_t granularity() const noexcept { return page_; }
+  std::size_t memory_limit() const noexcept { return limit_; }
+  const driver_call_counts& calls() const noexcept { return calls_; }
+
+  bool try_acquire(std::size_t bytes, stream_ref, lease_type& out) {
+    if (bytes > virtual_size_) return false;
+    ++calls_[driver_call::reserve];
+    void* base = reserver_.try_reserve(virtual_size_);
+    if (base == nullptr) return false;
+    lease_type lease;
+    lease.base = reinterpret_cast<std::uintptr_t>(base);
+    lease.reserved = virtual_size_;
+    try {
+      if (!try_extend(lease, bytes)) {
+        ++calls_[driver_call::address_free];
+        reserver_.free(base, virtual_size_);
+        return false;
+      }
+    } catch (...) {
+      ++calls_[driver_call::address_free];
+      reserver_.free(base, virtual_size_);
+      throw;
+    }
+    out = std::move(lease);
+    return true;
+  }
+
+  bool try_extend(lease_type& lease, std::size_t bytes) {
+    if (bytes % page_ != 0 || lease.size + bytes > lease.reserved) return false;
+    if (limit_ != 0 && physical_ + bytes > limit_) return false;
+    const std::size_t first = lease.pages.size(), count = bytes / page_;
+    lease.pages.reserve(first + count);
+    std::size_t created = 0, mapped = 0;
+    auto at = [&](std::size_t i) { return reinterpret_cast<void*>(lease.base + (first + i) * page_); };
+    auto undo = [&]() noexcept {
+      for (std::size_t i = mapped; i-- > 0;) {
+        ++calls_[driver_call::unmap];
+        reserver_.unmap(at(i), page_);
+      }
+      for (std::size_t i = created; i-- > 0;) {
+        ++calls_[driver_call::release];
+        provider_.release(lease.pages[first + i]);
+      }
+      lease.pages.resize(first);
+    };
+    try {
+      for (; created < count; ++created) {
+        ++calls_[driver_call::create];
+        auto h = provider_.try_create(page_);
+        if (!h) return undo(), false;
+        lease.pages.push_back(*h);
+      }
+      for (; mapped < count; ++mapped) {
+        ++calls_[driver_call::map];
+        if (!reserver_.try_map(at(mapped), page_, lease.pages[first + mapped])) return undo(), false;
+      }
+      ++calls_[driver_call::set_access];
+      if (!reserver_.try_set_access(at(0), bytes)) return undo(), false;
+    } catch (...) {
+      undo();
+      throw;
+    }
+    lease.size += bytes;
+    physical_ += bytes;
+    return true;
+  }
+
+  void release(lease_type& lease) noexcept {
+    for (std::size_t i = 0; i < lease.pages.size(); ++i) {
+      ++calls_[driver_call::unmap];
+      reserver_.unmap(reinterpret_cast<void*>(lease.base + i * page_), page_);
+    }
+    ++calls_[driver_call::address_free];
+    reserver_.free(reinterpret_cast<void*>(lease.base), lease.reserved);
+    for (auto& h : lease.pages) {
+      ++calls_[driver_call::release];
+      provider_.release(h);
+    }
+    physical_ -= lease.size;
+    lease = lease_type{};
+  }
+
+ private:
+  Provider provider_;
+  Reserver reserver_;
+  std::size_t page_;
+  std::size_t virtual_size_;
+  std::size_t limit_;
+  std::size_t physical_ = 0;
+  driver_call_counts calls_{};
 };
 
 }  // namespace glake

@@ -210,6 +210,24 @@ class stitching_allocator {
     return stats_locked();
   }
 
+  /// True when `p` is a live allocation of this allocator (small, primitive or stitched).
+  bool owns(const void* p) const {
+    std::lock_guard guard(lock_);
+    const auto address = reinterpret_cast<std::uintptr_t>(p);
+    auto& self = const_cast<stitching_allocator&>(*this);
+    if (const block_type* b = self.arena_.find(address); b != nullptr && !b->free && b->owner == nullptr) {
+      return true;
+    }
+    auto it = stitch_by_address_.find(address, stitch_by_address{});
+    return (it != stitch_by_address_.end() && it->live) || small_.owns(p);
+  }
+
+  /// Physical bytes held now (what stats().reserved_bytes says, without copying the rest).
+  std::size_t reserved_bytes() const {
+    std::lock_guard guard(lock_);
+    return counters_.s.reserved_bytes;
+  }
+
   /// Checks every internal invariant; throws std::logic_error naming the first broken one.
   void verify() const {
     std::lock_guard guard(lock_);

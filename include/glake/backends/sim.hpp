@@ -197,7 +197,10 @@ class sim_device {
       remaining -= it->second.bytes;
       ++it;
     }
-    for (auto marked = first; marked != it; ++marked) marked->second.accessible = true;
+    for (auto marked = first; marked != it; ++marked) {
+      marked->second.accessible = true;
+      ++set_access_mappings_;
+    }
     return true;
   }
 
@@ -261,6 +264,11 @@ class sim_device {
   }
 
   /// Rule violations so far, in throwing and noexcept calls alike.
+  /// Mappings covered by set_access calls so far: the driver charges set-access per handle.
+  std::uint64_t set_access_mappings() const {
+    std::lock_guard lock(mutex_);
+    return set_access_mappings_;
+  }
   std::uint64_t violations() const {
     std::lock_guard lock(mutex_);
     return violations_;
@@ -379,6 +387,7 @@ class sim_device {
   std::map<std::uintptr_t, mapping_info> mappings_;
   driver_call_counts calls_{};
   std::uint64_t violations_ = 0;
+  std::uint64_t set_access_mappings_ = 0;
   std::string last_violation_;
 };
 

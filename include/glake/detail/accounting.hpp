@@ -38,6 +38,10 @@ struct usage_counters {
     s.peak_reserved_bytes = std::max(s.peak_reserved_bytes, s.reserved_bytes);
     ++s.segments_created;
   }
+  void on_extend(std::size_t bytes) noexcept {
+    s.reserved_bytes += bytes;
+    s.peak_reserved_bytes = std::max(s.peak_reserved_bytes, s.reserved_bytes);
+  }
   void on_unreserve(std::size_t bytes) noexcept {
     s.reserved_bytes -= bytes;
     ++s.segments_released;

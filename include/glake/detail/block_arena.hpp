@@ -112,6 +112,29 @@ class block_arena {
     return b;
   }
 
+  /// The segment ending at `old_end` grew by `bytes` in place: the new range joins its last block
+  /// if that block is free, else becomes a new free block. Returns the free block that ends at
+  /// the new end. Needs one node when the last block is live.
+  block_type* extend_segment(Segment* segment, std::uintptr_t old_end, std::size_t bytes, stream_ref stream) {
+    block_type* last = containing(old_end - 1);
+    if (last != nullptr && last->free && last->segment == segment) {
+      free_.erase(free_.iterator_to(*last));
+      last->size += bytes;
+      free_.insert(*last);
+      free_bytes_ += bytes;
+      return last;
+    }
+    block_type* b = nodes_.create();
+    b->address = old_end;
+    b->size = bytes;
+    b->segment = segment;
+    b->stream = stream;
+    by_address_.insert(*b);
+    free_.insert(*b);
+    free_bytes_ += bytes;
+    return b;
+  }
+
   /// Removes a free block that spans its whole segment (the segment is going away).
   void remove_segment(block_type* b) noexcept {
     free_.erase(free_.iterator_to(*b));

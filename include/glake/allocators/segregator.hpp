@@ -1,0 +1,152 @@
+// The segregator: requests up to a threshold go to one allocator, larger ones to another.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "glake/detail/accounting.hpp"
+#include "glake/errors.hpp"
+#include "glake/policies/locking.hpp"
+#include "glake/statistics.hpp"
+#include "glake/stream.hpp"
+
+namespace glake {
+
+/// A segregator sends requests of at most `threshold` bytes to Small and the rest to Large; a
+/// free goes where its size says the allocation went. This is how PyTorch keeps small tensors
+/// (2 MiB segments) apart from large ones, and how GMLake puts its stitching pool beside
+/// PyTorch's small pool. Both parts are built in place (they are not movable).
+///
+/// Complexity: one comparison over the parts' own. Thread safety: as the Lock policy, one lock
+/// around both parts (give the parts no_lock). Streams and errors: the parts'. Statistics add
+/// the parts' event counts and reserved bytes; active bytes and peaks are the segregator's own,
+/// so a peak is the peak of the sum, not the sum of the peaks.
+template <class Small, class Large, lock_policy Lock = no_lock>
+class segregator {
+ public:
+  template <class... SmallArgs, class... LargeArgs>
+  segregator(std::size_t threshold, std::tuple<SmallArgs...> small_args, std::tuple<LargeArgs...> large_args)
+      : threshold_(threshold),
+        small_(std::make_from_tuple<Small>(std::move(small_args))),
+        large_(std::make_from_tuple<Large>(std::move(large_args))) {}
+  segregator(const segregator&) = delete;
+  segregator& operator=(const segregator&) = delete;
+
+  void* allocate(std::size_t bytes, stream_ref stream = default_stream) {
+    std::lock_guard guard(lock_);
+    if (bytes == 0) return nullptr;
+    void* p = part_for(bytes, [&](auto& part) { return part.allocate(bytes, stream); });
+    after_allocate(bytes);
+    return p;
+  }
+
+  void* try_allocate(std::size_t bytes, stream_ref stream = default_stream) {
+    std::lock_guard guard(lock_);
+    if (bytes == 0) return nullptr;
+    void* p = part_for(bytes, [&](auto& part) { return part.try_allocate(bytes, stream); });
+    if (p != nullptr) after_allocate(bytes);
+    return p;
+  }
+
+  void deallocate(void* p, std::size_t bytes, stream_ref stream = default_stream) {
+    std::lock_guard guard(lock_);
+    if (p == nullptr) return;
+    try {
+      part_for(bytes, [&](auto& part) {
+        part.deallocate(p, bytes, stream);
+        return 0;
+      });
+    } catch (const usage_error& e) {
+      // A size on the wrong side of the threshold looks foreign to the part it routes to.
+      const bool other_owns = bytes <= threshold_ ? large_.owns(p) : small_.owns(p);
+      if (e.which() != usage_error::kind::foreign_pointer || !other_owns) throw;
+      throw usage_error(usage_error::kind::size_mismatch,
+                        "glake::segregator: deallocate of " + detail::pointer_text(p) + " with size " +
+                            std::to_string(bytes) + ", but it was allocated with a size on the other side of " +
+                            std::to_string(threshold_) + " bytes");
+    }
+    counters_.on_deallocate(bytes, 0);
+    track_reserved();
+  }
+
+  void release_cached() {
+    std::lock_guard guard(lock_);
+    small_.release_cached();
+    large_.release_cached();
+    track_reserved();
+  }
+
+  statistics stats() const {
+    std::lock_guard guard(lock_);
+    const statistics a = small_.stats(), b = large_.stats();
+    statistics s = counters_.s;
+    s.allocated_bytes = a.allocated_bytes + b.allocated_bytes;
+    s.peak_allocated_bytes = std::max(s.peak_allocated_bytes, s.allocated_bytes);
+    s.reserved_bytes = a.reserved_bytes + b.reserved_bytes;
+    s.cached_stitch_bytes = a.cached_stitch_bytes + b.cached_stitch_bytes;
+    s.failed_allocations = a.failed_allocations + b.failed_allocations;
+    s.splits = a.splits + b.splits;
+    s.merges = a.merges + b.merges;
+    s.segments_created = a.segments_created + b.segments_created;
+    s.segments_released = a.segments_released + b.segments_released;
+    s.stitches = a.stitches + b.stitches;
+    s.stitch_cache_hits = a.stitch_cache_hits + b.stitch_cache_hits;
+    s.stitch_evictions = a.stitch_evictions + b.stitch_evictions;
+    for (std::size_t k = 0; k < driver_call_kinds; ++k) {
+      s.driver_calls.counts[k] = a.driver_calls.counts[k] + b.driver_calls.counts[k];
+    }
+    return s;
+  }
+
+  void verify() const {
+    std::lock_guard guard(lock_);
+    small_.verify();
+    large_.verify();
+  }
+
+  bool owns(const void* p) const {
+    std::lock_guard guard(lock_);
+    return small_.owns(p) || large_.owns(p);
+  }
+
+  /// Physical bytes held now by both parts.
+  std::size_t reserved_bytes() const {
+    std::lock_guard guard(lock_);
+    return small_.reserved_bytes() + large_.reserved_bytes();
+  }
+
+  std::size_t alignment() const noexcept { return std::min(small_.alignment(), large_.alignment()); }
+  std::size_t threshold() const noexcept { return threshold_; }
+  Small& small() noexcept { return small_; }
+  Large& large() noexcept { return large_; }
+
+ private:
+  template <class F>
+  auto part_for(std::size_t bytes, F&& f) {
+    return bytes <= threshold_ ? f(small_) : f(large_);
+  }
+
+  void after_allocate(std::size_t bytes) {
+    counters_.on_allocate(bytes, 0);
+    track_reserved();
+  }
+
+  // The parts hold the memory; the peak of their sum is only visible from here.
+  void track_reserved() {
+    const std::size_t reserved = small_.reserved_bytes() + large_.reserved_bytes();
+    counters_.s.reserved_bytes = reserved;
+    counters_.s.peak_reserved_bytes = std::max(counters_.s.peak_reserved_bytes, reserved);
+  }
+
+  std::size_t threshold_;
+  Small small_;
+  Large large_;
+  detail::usage_counters counters_;
+  [[no_unique_address]] mutable Lock lock_;
+};
+
+}  // namespace glake
