@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what glake's build needs on Debian 12 (g++, cmake, make or ninja, Boost headers,
-# doctest, python3). Quiet and does nothing when all of it is present; runs `apt-get update`
+# doctest, zlib, python3). Quiet and does nothing when all of it is present; runs `apt-get update`
 # at most once; uses sudo when not root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +16,7 @@ have_cmd make || have_cmd ninja || missing+=(make)
 have_cmd python3 || missing+=(python3)
 have_pkg libboost-dev || missing+=(libboost-dev)
 have_pkg doctest-dev || missing+=(doctest-dev)
+have_pkg zlib1g-dev || missing+=(zlib1g-dev)
 
 if ((${#missing[@]} > 0)); then
   if ! have_cmd apt-get; then

@@ -1,0 +1,112 @@
+// Replaying a trace through one configuration, and what comes out of it.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "configurations.hpp"
+#include "latency.hpp"
+#include "trace.hpp"
+
+namespace glake::replay {
+
+struct replay_result {
+  std::string trace;
+  std::string allocator;
+  std::size_t events = 0;
+  std::size_t peak_active_bytes = 0;
+  std::size_t peak_reserved_bytes = 0;
+  double utilization = 0;
+  std::size_t failed_allocations = 0;
+  driver_call_counts driver_calls{};
+  std::uint64_t segments_created = 0;  ///< cudaMalloc calls under the cuda_malloc model
+  std::uint64_t segments_released = 0;
+  std::uint64_t stitches = 0;
+  std::uint64_t stitch_cache_hits = 0;
+  double modeled_driver_us = 0;
+  double host_ns_per_operation = 0;
+  std::size_t recorded_peak_reserved = 0;  ///< PyTorch's own, from the trace (0 if none)
+  std::vector<double> reserved_series;     ///< after each a/f event, when asked for
+  std::vector<double> active_series;
+};
+
+/// Replays the a/f events of `t` in order through a fresh instance of `c` on a simulated device
+/// of `capacity` bytes. A request the allocator cannot meet counts as failed and its free is
+/// skipped. `progress(fraction)` is called every 1/64 of the trace when given.
+inline replay_result replay_trace(const trace& t, const configuration& c, std::size_t capacity, bool series,
+                                  const std::function<void(double)>& progress = {}) {
+  std::unique_ptr<replayable> allocator = c.make(capacity);
+  replay_result r;
+  r.trace = t.name;
+  r.allocator = c.name;
+  r.recorded_peak_reserved = t.recorded_peak_reserved;
+  std::unordered_map<std::uint64_t, void*> live;
+  live.reserve(t.allocations / 4 + 16);
+  if (series) {
+    r.reserved_series.reserve(t.allocations + t.frees);
+    r.active_series.reserve(t.allocations + t.frees);
+  }
+  std::size_t active = 0, reserved = 0;
+  const std::size_t step = std::max<std::size_t>(1, t.events.size() / 64);
+  const auto start = std::chrono::steady_clock::now();
+  for (std::size_t i = 0; i < t.events.size(); ++i) {
+    const trace_event& e = t.events[i];
+    if (e.what == trace_event::kind::alloc) {
+      if (void* p = allocator->try_allocate(e.bytes, stream_ref{e.stream})) {
+        live.emplace(e.id, p);
+        active += e.bytes;
+        r.peak_active_bytes = std::max(r.peak_active_bytes, active);
+      } else {
+        ++r.failed_allocations;
+      }
+    } else if (e.what == trace_event::kind::free) {
+      const auto it = live.find(e.id);
+      if (it != live.end()) {
+        allocator->deallocate(it->second, e.bytes, stream_ref{e.stream});
+        active -= e.bytes;
+        live.erase(it);
+      }
+    } else {
+      continue;  // S/U lines are PyTorch's own bookkeeping, not requests
+    }
+    ++r.events;
+    const std::size_t now = allocator->reserved_bytes();
+    if (c.model == driver_model::cuda_malloc && now != reserved) {
+      r.modeled_driver_us += now > reserved ? modeled_cuda_malloc_us(now - reserved) : modeled_cuda_free_us(reserved - now);
+    }
+    reserved = now;
+    if (series) {
+      r.reserved_series.push_back(static_cast<double>(now));
+      r.active_series.push_back(static_cast<double>(active));
+    }
+    if (progress && i % step == 0) progress(static_cast<double>(i) / static_cast<double>(t.events.size()));
+  }
+  const auto elapsed = std::chrono::steady_clock::now() - start;
+  r.host_ns_per_operation =
+      r.events == 0 ? 0.0 : static_cast<double>(std::chrono::duration_cast<std::chrono::nanoseconds>(elapsed).count()) /
+                                static_cast<double>(r.events);
+  allocator->verify();
+  const statistics s = allocator->stats();
+  r.peak_reserved_bytes = s.peak_reserved_bytes;
+  r.utilization = r.peak_reserved_bytes == 0 ? 0.0
+                                             : static_cast<double>(r.peak_active_bytes) /
+                                                   static_cast<double>(r.peak_reserved_bytes);
+  r.segments_created = s.segments_created;
+  r.segments_released = s.segments_released;
+  r.stitches = s.stitches;
+  r.stitch_cache_hits = s.stitch_cache_hits;
+  r.driver_calls = allocator->device().calls();
+  if (c.model == driver_model::vmm) r.modeled_driver_us = modeled_vmm_us(allocator->device());
+  if (allocator->device().violations() != 0) {
+    throw std::logic_error(c.name + " broke a CUDA VMM rule on " + t.name + ": " +
+                           allocator->device().last_violation());
+  }
+  return r;
+}
+
+}  // namespace glake::replay
