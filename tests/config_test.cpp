@@ -98,11 +98,13 @@ TEST_CASE("config: validate names the first broken rule and the value") {
        [](config& c) { c.small_segment = 2 * MiB + 256; }, "small_segment",
        "multiple of round_to = 512"},
       {"small_limit below round_to", [](config& c) { c.small_limit = 256; }, "small_limit",
-       "must be >= round_to = 512 (got 256)"},
+       ">= round_to = 512 (got 256)"},
       {"small_limit above small_segment", [](config& c) { c.small_limit = 4 * MiB; }, "small_limit",
        "must be <= small_segment = 2097152"},
       {"chunk_size not a page multiple", [](config& c) { c.chunk_size = 1000; }, "chunk_size",
        "multiple of 4096 (got 1000)"},
+      {"max_handle not a page multiple", [](config& c) { c.max_handle = 5000; }, "max_handle",
+       "multiple of 4096 (got 5000)"},
       {"memory_limit below small_segment", [](config& c) { c.memory_limit = 1 * MiB; },
        "memory_limit", "small_segment = 2097152"},
   };
@@ -263,7 +265,7 @@ TEST_CASE("config: structural errors in the text say what is wrong") {
   // The list of valid keys names every setting.
   for (const char* key :
        {"stitching", "frag_limit", "reuse_limit", "defrag_level", "auto_gc", "grow_stitch",
-        "small_limit", "small_segment", "round_to", "chunk_size", "memory_limit"}) {
+        "small_limit", "small_segment", "round_to", "chunk_size", "max_handle", "memory_limit"}) {
     CAPTURE(key);
     CHECK(contains(unknown, key));
   }
@@ -398,4 +400,11 @@ TEST_CASE("config: from_env range errors name the variable that set the value") 
                  "(got 4) (set by GLAKE_ALLOC_CONF)"));
   CHECK(contains(env_error({{"GLAKE_ALLOC_CONF", "chunk_size:100"}}),
                  "chunk_size must be 0 or a multiple of 4096"));
+}
+
+TEST_CASE("config: small_limit 0 means no small pool and is valid") {
+  glake::config c;
+  c.small_limit = 0;
+  CHECK_NOTHROW(c.validate());
+  CHECK(glake::config{}.apply("small_limit:0,max_handle:1GiB").max_handle == glake::GiB);
 }

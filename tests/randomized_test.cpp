@@ -197,3 +197,15 @@ TEST_CASE("randomized: the caching allocator under the same sequences") {
   caching_allocator<source> allocator(source(sim_provider{device}, sim_reserver{device}));
   CHECK(run_random_sequence(allocator, device, 99, 200'000, 48) > 0);
 }
+
+TEST_CASE("randomized: handles of varying size (max_handle) stitch only whole handles, invariants after each") {
+  sim_device device(6 * GiB);
+  config cfg;
+  cfg.frag_limit = 0;
+  cfg.grow_stitch = true;
+  cfg.max_handle = 256 * MiB;
+  cfg.auto_gc = 2 * GiB;
+  stitching_allocator<sim_provider, sim_reserver> allocator(sim_provider{device}, sim_reserver{device}, cfg);
+  CHECK(run_random_sequence(allocator, device, 314, 200'000, 48) > 10);
+  CHECK(allocator.stats().stitches > 100);
+}

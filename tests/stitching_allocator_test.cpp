@@ -271,6 +271,47 @@ TEST_CASE("stitching: larger chunks mean fewer driver calls for the same request
   }
 }
 
+TEST_CASE("stitching: max_handle builds new memory from few large handles, none above an eighth of it") {
+  sim_device device(8 * GiB);
+  config cfg;
+  cfg.max_handle = 1 * GiB;
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, cfg);
+  void* p = allocator.allocate(2 * GiB);  // 256 MiB handles: 8 of them, not 1024 of 2 MiB
+  CHECK(allocator.stats().driver_calls[driver_call::create] == 8);
+  void* q = allocator.allocate(6 * M);  // 6 MiB: no handle over 6/8 MiB, so 2 MiB handles
+  CHECK(allocator.stats().driver_calls[driver_call::create] == 8 + 3);
+  allocator.deallocate(p, 2 * GiB);
+  allocator.deallocate(q, 6 * M);
+  allocator.verify();
+}
+
+TEST_CASE("stitching: with large handles only whole free handles are stitched, and the rest stays usable in place") {
+  sim_device device(2 * GiB);
+  config cfg = stitch_everything();
+  cfg.max_handle = 64 * M;
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, cfg);
+  // Two 512 MiB segments (64 MiB handles); in each, a live 32 MiB block covers half a handle.
+  void* a = allocator.allocate(512 * M);
+  void* b = allocator.allocate(512 * M);
+  allocator.deallocate(a, 512 * M);
+  allocator.deallocate(b, 512 * M);
+  void* pin_a = allocator.allocate(32 * M);
+  void* pin_b = allocator.allocate(32 * M);
+  // 480 MiB free in each segment, of which 448 MiB are whole handles: a 900 MiB stitch fits.
+  void* big = allocator.allocate(900 * M);
+  CHECK(allocator.stats().stitches == 1);
+  CHECK(allocator.stats().reserved_bytes == 1024 * M);
+  // The two 32 MiB halves of the pinned handles can still be used in place.
+  void* in_place = allocator.allocate(30 * M);
+  CHECK(allocator.stats().reserved_bytes == 1024 * M);
+  allocator.verify();
+  for (auto [p, n] : {std::pair{big, 900 * M}, {in_place, 30 * M}, {pin_a, 32 * M}, {pin_b, 32 * M}}) {
+    allocator.deallocate(p, n);
+  }
+  allocator.verify();
+  CHECK(device.violations() == 0);
+}
+
 // ------------------------------------------------------------------------- rollback
 
 namespace {

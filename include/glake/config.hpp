@@ -45,7 +45,10 @@ struct config {
   std::size_t small_limit = 1 * MiB;     ///< requests up to this go to the small pool; 0: none
   std::size_t small_segment = 2 * MiB;   ///< the unit the small pool takes from the large pool
   std::size_t round_to = 512;            ///< every request is rounded up to a multiple of this
-  std::size_t chunk_size = 0;            ///< physical handle size; 0 means the provider's granularity
+  std::size_t chunk_size = 0;            ///< unit of blocks and of the smallest physical handle;
+                                         ///< 0 means the provider's granularity
+  std::size_t max_handle = 0;            ///< new memory comes in handles of chunk_size x 2^k up
+                                         ///< to this (fewer driver calls); 0 means chunk_size only
   std::size_t memory_limit = 0;          ///< most physical bytes held; 0 means no limit
 
   /// Throws config_error naming the first setting that is out of range and why.
@@ -102,6 +105,7 @@ void for_each_config_field(Config& c, Visitor&& visit) {
   visit(std::string_view{"small_segment"}, c.small_segment);
   visit(std::string_view{"round_to"}, c.round_to);
   visit(std::string_view{"chunk_size"}, c.chunk_size);
+  visit(std::string_view{"max_handle"}, c.max_handle);
   visit(std::string_view{"memory_limit"}, c.memory_limit);
 }
 
@@ -380,6 +384,9 @@ inline std::optional<config_issue> find_config_issue(const config& c) {
   // provider's real granularity, which a config cannot know.
   if (c.chunk_size % (4 * KiB) != 0) {
     return issue("chunk_size", "must be 0 or a multiple of 4096 (got " + bytes(c.chunk_size) + ")");
+  }
+  if (c.max_handle % (4 * KiB) != 0) {
+    return issue("max_handle", "must be 0 or a multiple of 4096 (got " + bytes(c.max_handle) + ")");
   }
   if (c.memory_limit != 0 && c.memory_limit < c.small_segment) {
     return issue("memory_limit",

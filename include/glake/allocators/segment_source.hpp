@@ -64,7 +64,8 @@ class vmm_segment_source {
 
   std::size_t granularity() const noexcept { return backend_.granularity(); }
   bool try_acquire(std::size_t bytes, stream_ref, lease_type& out) {
-    return backend_.try_create_segment(bytes, bytes, out);
+    const std::size_t one[] = {bytes};
+    return backend_.try_create_segment(one, out);
   }
   void release(lease_type& lease) noexcept { backend_.destroy_segment(lease); }
   const driver_call_counts& calls() const noexcept { return backend_.calls(); }

@@ -68,6 +68,7 @@ template <physical_provider Provider, address_reserver_for<Provider> Reserver,
 class stitching_allocator {
   using handle_type = typename Provider::handle_type;
   using backend_type = detail::vmm_backend<Provider, Reserver>;
+  using slot_type = detail::handle_slot<handle_type>;
 
   struct segment : eviction_hook {
     detail::mapped_segment<handle_type> mapping;
@@ -78,9 +79,16 @@ class stitching_allocator {
 
   struct piece {
     segment* home;
-    std::size_t offset;            ///< into the home segment, chunk-aligned
-    std::size_t size;              ///< whole chunks
-    block_type* claimed = nullptr; ///< the live block holding it while the stitch holds it
+    std::size_t offset;            ///< into the home segment, at a handle boundary
+    std::size_t size;              ///< whole handles
+    block_type* claimed = nullptr; ///< the live block holding (a prefix of) it while the stitch
+                                   ///< holds it; the rest of its handles stays free in place
+  };
+  // A free block's stitchable part: the whole handles inside it.
+  struct candidate {
+    block_type* block;
+    std::size_t offset;  ///< of the first whole handle, into the segment
+    std::size_t size;    ///< of the whole handles
   };
 
   struct stitch_address_tag;
@@ -160,9 +168,11 @@ class stitching_allocator {
       : config_(validated(cfg)),
         backend_(std::move(provider), std::move(reserver), cfg.memory_limit),
         chunk_(chosen_chunk(config_, backend_.granularity())),
+        max_handle_(chosen_max_handle(config_, chunk_)),
         small_(small_source(this), small_rules(config_, chunk_)) {
     candidates_.reserve(max_candidates);
     candidate_sizes_.reserve(max_candidates);
+    handle_sizes_.reserve(64);
     plan_.picks.reserve(max_candidates);
     pinned_.reserve(256);
   }
@@ -260,6 +270,33 @@ class stitching_allocator {
     }
     return chunk;
   }
+  static std::size_t chosen_max_handle(const config& cfg, std::size_t chunk) {
+    if (cfg.max_handle == 0 || cfg.max_handle <= chunk) return chunk;
+    if (cfg.max_handle % chunk != 0) {
+      throw config_error("glake config: max_handle (" + format_bytes(cfg.max_handle) +
+                         ") must be a multiple of the chunk size (" + format_bytes(chunk) + ")");
+    }
+    return cfg.max_handle;
+  }
+
+  // The handles a new segment of `bytes` is made of: chunk x 2^k pieces, largest first, none
+  // above max_handle; so a segment costs O(log) driver calls, not bytes / chunk.
+  void plan_handles(std::size_t bytes) {
+    handle_sizes_.clear();
+    // At most an eighth of the segment per handle: a handle partly in use cannot be stitched,
+    // so no handle may strand much of its segment; that still bounds a segment to ~16 handles.
+    std::size_t largest = chunk_;
+    while (largest * 2 <= max_handle_ && largest * 2 <= bytes / 8) largest *= 2;
+    for (std::size_t size = largest; bytes > 0;) {
+      if (size <= bytes) {
+        handle_sizes_.push_back(size);
+        bytes -= size;
+      } else {
+        size /= 2;
+      }
+    }
+  }
+
   static caching_rules small_rules(const config& cfg, std::size_t) {
     caching_rules rules;
     rules.round_to = cfg.round_to;
@@ -375,11 +412,14 @@ class stitching_allocator {
     candidates_.clear();
     candidate_sizes_.clear();
     arena_.for_each_free_largest_first(stream, [&](block_type& b) {
-      candidates_.push_back(&b);
-      candidate_sizes_.push_back(b.size);
+      if (const candidate c = whole_handles_of(b); c.size > 0) candidates_.push_back(c);
       return candidates_.size() < max_candidates;
     });
     if (candidates_.empty() || (!may_grow && candidates_.size() < 2)) return nullptr;
+    // Blocks came largest first; their whole-handle parts need not, when handles vary in size.
+    std::stable_sort(candidates_.begin(), candidates_.end(),
+                     [](const candidate& a, const candidate& b) { return a.size > b.size; });
+    for (const candidate& c : candidates_) candidate_sizes_.push_back(c.size);
     const stitch_request request{size, chunk_, may_grow};
     if (!strategy_.plan(request, candidate_sizes_, plan_) || !plan_is_sound(size)) return nullptr;
 
@@ -393,29 +433,33 @@ class stitching_allocator {
     try {
       s = stitches_.create();
       std::size_t need = size;
-      for (std::uint32_t pick : plan_.picks) {
-        block_type* b = candidates_[pick];
-        const std::size_t take = std::min(b->size, need);
-        s->pieces.push_back(piece{b->segment, b->address - b->segment->mapping.base, take});
-        need -= take;
-      }
-      if (grown != nullptr) {
-        const std::size_t take = std::min(grown->size, need);
-        s->pieces.push_back(piece{grown->segment, 0, take});
-        need -= take;
-      }
+      const auto add_piece = [&](const candidate& c) {
+        // Whole handles from the run's start until they cover what is still needed.
+        const auto& m = c.block->segment->mapping;
+        std::size_t taken = 0;
+        for (std::size_t i = m.first_at_or_after(c.offset); taken < std::min(need, c.size); ++i) {
+          taken += m.slots[i].size;
+        }
+        s->pieces.push_back(piece{c.block->segment, c.offset, taken});
+        need -= std::min(need, taken);
+      };
+      for (std::uint32_t pick : plan_.picks) add_piece(candidates_[pick]);
+      if (grown != nullptr && need > 0) add_piece(candidate{grown, 0, grown->size});
       handles_.clear();
+      std::size_t mapped = 0;
       for (const piece& pc : s->pieces) {
-        const std::size_t first = pc.offset / chunk_;
-        for (std::size_t i = 0; i < pc.size / chunk_; ++i) {
-          handles_.push_back(pc.home->mapping.handles[first + i]);
+        const auto& m = pc.home->mapping;
+        for (std::size_t i = m.first_at_or_after(pc.offset); i < m.count && m.slots[i].offset < pc.offset + pc.size; ++i) {
+          handles_.push_back(m.slots[i]);
+          mapped += m.slots[i].size;
         }
       }
+      s->size = mapped;
       arena_.reserve_nodes(2 * s->pieces.size());
-      void* base = backend_.try_map_stitched(handles_, chunk_);
+      void* base = backend_.try_map_stitched(handles_);
       if (base == nullptr && !stitch_queue_.empty()) {
         evict_stitches(~std::size_t{0});  // StitchFree: mappings may be what ran out
-        base = backend_.try_map_stitched(handles_, chunk_);
+        base = backend_.try_map_stitched(handles_);
       }
       if (base == nullptr) {
         abandon_stitch(s, grown);
@@ -426,13 +470,22 @@ class stitching_allocator {
       abandon_stitch(s, grown);
       throw;
     }
-    s->size = size;
     s->stream = stream;
     for (piece& pc : s->pieces) ++pc.home->stitch_refs;
     stitch_by_address_.insert(*s);
     claim_prefix(*s, size, requested);
     ++counters_.s.stitches;
     return reinterpret_cast<void*>(s->base);
+  }
+
+  // The whole handles inside free block `b`: what a stitch may map of it.
+  candidate whole_handles_of(block_type& b) const noexcept {
+    const auto& m = b.segment->mapping;
+    const std::size_t begin = b.address - m.base, end = begin + b.size;
+    std::size_t i = m.first_at_or_after(begin), size = 0;
+    const std::size_t first = i < m.count ? m.slots[i].offset : end;
+    for (; i < m.count && m.slots[i].offset + m.slots[i].size <= end; ++i) size += m.slots[i].size;
+    return candidate{&b, first, size};
   }
 
   bool plan_is_sound(std::size_t size) const noexcept {
@@ -460,7 +513,8 @@ class stitching_allocator {
     if (detail::round_up_overflows(bytes, chunk_)) return nullptr;
     segment* s = segments_.create();
     try {
-      if (!backend_.try_create_segment(bytes, chunk_, s->mapping)) {
+      plan_handles(bytes);
+      if (!backend_.try_create_segment(handle_sizes_, s->mapping)) {
         segments_.destroy(s);
         return nullptr;
       }
@@ -591,10 +645,23 @@ class stitching_allocator {
     cached_by_size_.erase(cached_by_size_.iterator_to(*s));
     stitch_by_address_.erase(stitch_by_address_.iterator_to(*s));
     counters_.s.cached_stitch_bytes -= s->size;
-    backend_.unmap_stitched(reinterpret_cast<void*>(s->base), s->size / chunk_, chunk_);
+    unmap_stitch(*s);
     for (piece& pc : s->pieces) --pc.home->stitch_refs;
     ++counters_.s.stitch_evictions;
     stitches_.destroy(s);
+  }
+
+  // Unmaps every handle of a stitched range and frees its addresses; its memory stays home.
+  void unmap_stitch(const stitched& s) noexcept {
+    std::size_t at = 0;
+    for (const piece& pc : s.pieces) {
+      const auto& m = pc.home->mapping;
+      for (std::size_t i = m.first_at_or_after(pc.offset); i < m.count && m.slots[i].offset < pc.offset + pc.size; ++i) {
+        backend_.unmap_stitched(reinterpret_cast<void*>(s.base + at), m.slots[i].size);
+        at += m.slots[i].size;
+      }
+    }
+    backend_.free_stitched(reinterpret_cast<void*>(s.base), s.size);
   }
 
   // Gives fully free segments back to the backend in Evict order until `bytes` are released.
@@ -651,7 +718,7 @@ class stitching_allocator {
       }
       // A live stitch at destruction is the caller's leak; unmap it all the same.
       stitch_by_address_.erase(stitch_by_address_.iterator_to(s));
-      backend_.unmap_stitched(reinterpret_cast<void*>(s.base), s.size / chunk_, chunk_);
+      unmap_stitch(s);
       stitches_.destroy(&s);
     }
     small_.release_free_segments(~std::size_t{0});
@@ -781,6 +848,7 @@ class stitching_allocator {
   config config_;
   backend_type backend_;
   std::size_t chunk_;
+  std::size_t max_handle_;
   arena_type arena_;
   detail::node_pool<segment> segments_;
   detail::node_pool<stitched> stitches_;
@@ -792,10 +860,11 @@ class stitching_allocator {
   [[no_unique_address]] Stitch strategy_;
   detail::usage_counters counters_;
   // Scratch buffers reused across calls so that stitching does not allocate once warm.
-  std::vector<block_type*> candidates_;
+  std::vector<candidate> candidates_;
   std::vector<std::size_t> candidate_sizes_;
   stitch_plan plan_;
-  std::vector<handle_type> handles_;
+  std::vector<slot_type> handles_;
+  std::vector<std::size_t> handle_sizes_;
   std::vector<segment*> pinned_;  // segments a live stitch keeps from release (bounded)
   [[no_unique_address]] mutable Lock lock_;
 };

@@ -14,15 +14,37 @@
 
 namespace glake::detail {
 
-/// A reservation with `chunks` physical handles of `chunk` bytes mapped back to back.
+/// One physical handle of a segment: where it is mapped in the segment, and its size.
+template <class Handle>
+struct handle_slot {
+  Handle handle{};
+  std::size_t offset = 0;
+  std::size_t size = 0;
+};
+
+/// A reservation with physical handles mapped back to back, in offset order. Handles may differ
+/// in size (each a multiple of the granularity).
 template <class Handle>
 struct mapped_segment {
   std::uintptr_t base = 0;
   std::size_t size = 0;
-  std::size_t chunk = 0;
-  std::unique_ptr<Handle[]> handles;
+  std::size_t count = 0;
+  std::unique_ptr<handle_slot<Handle>[]> slots;
 
-  std::size_t chunks() const noexcept { return chunk == 0 ? 0 : size / chunk; }
+  std::size_t chunks() const noexcept { return count; }
+  /// The index of the first handle that starts at or after `offset`.
+  std::size_t first_at_or_after(std::size_t offset) const noexcept {
+    std::size_t lo = 0, hi = count;
+    while (lo < hi) {
+      const std::size_t mid = (lo + hi) / 2;
+      if (slots[mid].offset < offset) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    return lo;
+  }
 };
 
 /// Owns a provider and a reserver and performs the multi-call sequences the allocators need,
@@ -47,33 +69,41 @@ class vmm_backend {
   Provider& provider() noexcept { return provider_; }
   Reserver& reserver() noexcept { return reserver_; }
 
-  /// Creates `bytes / chunk` handles, reserves one range and maps them in order. False when the
-  /// limit or the backend ran out of memory; `out` is then untouched.
-  bool try_create_segment(std::size_t bytes, std::size_t chunk, segment_type& out) {
+  /// Creates one handle per entry of `sizes` (each a granularity multiple), reserves one range of
+  /// their sum and maps them in order. False when the limit or the backend ran out of memory;
+  /// `out` is then untouched.
+  bool try_create_segment(std::span<const std::size_t> sizes, segment_type& out) {
+    std::size_t bytes = 0;
+    for (std::size_t size : sizes) bytes += size;
     if (limit_ != 0 && physical_bytes_ + bytes > limit_) return false;
-    const std::size_t count = bytes / chunk;
-    auto handles = std::make_unique<handle_type[]>(count);
+    const std::size_t count = sizes.size();
+    auto slots = std::make_unique<handle_slot<handle_type>[]>(count);
+    for (std::size_t i = 0, offset = 0; i < count; offset += sizes[i], ++i) {
+      slots[i].offset = offset;
+      slots[i].size = sizes[i];
+    }
     std::size_t created = 0;
     void* base = nullptr;
     std::size_t mapped = 0;
     auto undo = [&]() noexcept {
-      for (std::size_t i = mapped; i-- > 0;) unmap(static_cast<char*>(base) + i * chunk, chunk);
+      for (std::size_t i = mapped; i-- > 0;) unmap(static_cast<char*>(base) + slots[i].offset, slots[i].size);
       if (base != nullptr) free_range(base, bytes);
-      for (std::size_t i = created; i-- > 0;) release(handles[i]);
+      for (std::size_t i = created; i-- > 0;) release(slots[i].handle);
     };
     try {
       for (; created < count; ++created) {
         ++calls_[driver_call::create];
-        auto h = provider_.try_create(chunk);
+        auto h = provider_.try_create(slots[created].size);
         if (!h) return undo(), false;
-        handles[created] = *h;
+        slots[created].handle = *h;
       }
       ++calls_[driver_call::reserve];
       base = reserver_.try_reserve(bytes);
       if (base == nullptr) return undo(), false;
       for (; mapped < count; ++mapped) {
         ++calls_[driver_call::map];
-        if (!reserver_.try_map(static_cast<char*>(base) + mapped * chunk, chunk, handles[mapped])) {
+        const auto& slot = slots[mapped];
+        if (!reserver_.try_map(static_cast<char*>(base) + slot.offset, slot.size, slot.handle)) {
           return undo(), false;
         }
       }
@@ -86,40 +116,47 @@ class vmm_backend {
     physical_bytes_ += bytes;
     out.base = reinterpret_cast<std::uintptr_t>(base);
     out.size = bytes;
-    out.chunk = chunk;
-    out.handles = std::move(handles);
+    out.count = count;
+    out.slots = std::move(slots);
     return true;
   }
 
   /// Unmaps, frees and releases everything of a segment made by try_create_segment.
   void destroy_segment(segment_type& segment) noexcept {
     void* base = reinterpret_cast<void*>(segment.base);
-    const std::size_t count = segment.chunks();
-    for (std::size_t i = 0; i < count; ++i) unmap(static_cast<char*>(base) + i * segment.chunk, segment.chunk);
+    for (std::size_t i = 0; i < segment.count; ++i) {
+      unmap(static_cast<char*>(base) + segment.slots[i].offset, segment.slots[i].size);
+    }
     free_range(base, segment.size);
-    for (std::size_t i = 0; i < count; ++i) release(segment.handles[i]);
+    for (std::size_t i = 0; i < segment.count; ++i) release(segment.slots[i].handle);
     physical_bytes_ -= segment.size;
     segment = segment_type{};
   }
 
-  /// Reserves a fresh range and maps `handles` (each `chunk` bytes) side by side in it: a
-  /// stitched range. Null when out of address space or mapping resources; nothing is left behind.
-  void* try_map_stitched(std::span<const handle_type> handles, std::size_t chunk) {
-    const std::size_t bytes = handles.size() * chunk;
+  /// Reserves a fresh range and maps the given handles side by side in it: a stitched range.
+  /// Null when out of address space or mapping resources; nothing is left behind.
+  void* try_map_stitched(std::span<const handle_slot<handle_type>> handles) {
+    std::size_t bytes = 0;
+    for (const auto& h : handles) bytes += h.size;
     ++calls_[driver_call::reserve];
     void* base = reserver_.try_reserve(bytes);
     if (base == nullptr) return nullptr;
-    std::size_t mapped = 0;
+    std::size_t mapped = 0, offset = 0;
     auto undo = [&]() noexcept {
-      for (std::size_t i = mapped; i-- > 0;) unmap(static_cast<char*>(base) + i * chunk, chunk);
+      std::size_t at = 0;
+      for (std::size_t i = 0; i < mapped; ++i) {
+        unmap(static_cast<char*>(base) + at, handles[i].size);
+        at += handles[i].size;
+      }
       free_range(base, bytes);
     };
     try {
       for (; mapped < handles.size(); ++mapped) {
         ++calls_[driver_call::map];
-        if (!reserver_.try_map(static_cast<char*>(base) + mapped * chunk, chunk, handles[mapped])) {
+        if (!reserver_.try_map(static_cast<char*>(base) + offset, handles[mapped].size, handles[mapped].handle)) {
           return undo(), nullptr;
         }
+        offset += handles[mapped].size;
       }
       ++calls_[driver_call::set_access];
       if (!reserver_.try_set_access(base, bytes)) return undo(), nullptr;
@@ -130,11 +167,9 @@ class vmm_backend {
     return base;
   }
 
-  /// Undoes try_map_stitched. The physical memory stays with its segments.
-  void unmap_stitched(void* base, std::size_t count, std::size_t chunk) noexcept {
-    for (std::size_t i = 0; i < count; ++i) unmap(static_cast<char*>(base) + i * chunk, chunk);
-    free_range(base, count * chunk);
-  }
+  /// Unmaps one handle of a stitched range; with free_stitched, undoes try_map_stitched.
+  void unmap_stitched(void* at, std::size_t bytes) noexcept { unmap(at, bytes); }
+  void free_stitched(void* base, std::size_t bytes) noexcept { free_range(base, bytes); }
 
  private:
   void unmap(void* at, std::size_t bytes) noexcept {
