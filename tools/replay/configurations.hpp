@@ -109,7 +109,9 @@ inline config gmlake_config() {
 }
 
 /// glake's composition: stitch whatever no free block serves, grow only the shortfall, keep the
-/// small pool inside the stitching pool so its empty blocks return to it.
+/// small pool inside the stitching pool so its empty blocks return to it. 2 MiB handles: larger
+/// ones (max_handle) cut driver calls but strand memory stitching cannot use (see
+/// bench/results/replay.md for the measured trade-off).
 inline config glake_config() {
   config cfg;
   cfg.frag_limit = 2 * MiB;
@@ -119,7 +121,11 @@ inline config glake_config() {
   return cfg;
 }
 
-inline std::vector<configuration> named_configurations() {
+/// All configurations; `glake_overrides` ("key:value,...", as GLAKE_ALLOC_CONF) is applied over
+/// glake's settings, for sweeps.
+inline std::vector<configuration> named_configurations(const std::string& glake_overrides = {}) {
+  config glake_settings = glake_config();
+  glake_settings.apply(glake_overrides.c_str());
   std::vector<configuration> all;
   all.push_back({"pytorch-default", "PyTorch's CUDA caching allocator rules (cudaMalloc segments)",
                  driver_model::cuda_malloc, [](std::size_t capacity) -> std::unique_ptr<replayable> {
@@ -159,10 +165,10 @@ inline std::vector<configuration> named_configurations() {
                    });
                  }});
   all.push_back({"glake", "glake: best-fit-tail stitching of anything that does not fit, grow only the shortfall",
-                 driver_model::vmm, [](std::size_t capacity) -> std::unique_ptr<replayable> {
+                 driver_model::vmm, [glake_settings](std::size_t capacity) -> std::unique_ptr<replayable> {
                    using type = stitching_allocator<sim_provider, sim_reserver, best_fit_tail_stitching, lru_eviction>;
-                   return std::make_unique<replayable_allocator<type>>(capacity, [](sim_device& d) {
-                     return type(sim_provider{d}, sim_reserver{d}, glake_config());
+                   return std::make_unique<replayable_allocator<type>>(capacity, [glake_settings](sim_device& d) {
+                     return type(sim_provider{d}, sim_reserver{d}, glake_settings);
                    });
                  }});
   return all;

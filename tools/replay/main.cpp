@@ -34,6 +34,7 @@ constexpr const char* usage =
     "      --json              one JSON object per trace and configuration, one per line\n"
     "      --plot DIR          write DIR/<trace>.svg: reserved bytes per configuration over time\n"
     "      --training-seconds S  also print modeled driver time as a share of S seconds\n"
+    "      --glake-conf TEXT   settings over glake's, as GLAKE_ALLOC_CONF (e.g. max_handle:64MiB)\n"
     "      --quiet             no progress on stderr\n"
     "  -h, --help              this text\n";
 
@@ -45,6 +46,7 @@ struct options {
   bool quiet = false;
   std::string plot_dir;
   double training_seconds = 0;
+  std::string glake_conf;
 };
 
 [[noreturn]] void fail_usage(const std::string& message) {
@@ -97,6 +99,13 @@ options parse(int argc, char** argv) {
       char* end = nullptr;
       o.training_seconds = std::strtod(v.c_str(), &end);
       if (end == v.c_str() || *end != '\0' || o.training_seconds <= 0) fail_usage("--training-seconds: bad value '" + v + "'");
+    } else if (a == "--glake-conf") {
+      o.glake_conf = value();
+      try {
+        config{}.apply(o.glake_conf.c_str());
+      } catch (const std::exception& e) {
+        fail_usage(std::string("--glake-conf: ") + e.what());
+      }
     } else if (a == "--quiet") {
       o.quiet = true;
     } else if (!a.empty() && a[0] == '-') {
@@ -161,7 +170,7 @@ void print_row(const replay_result& r, double training_seconds) {
 int main(int argc, char** argv) {
   const options o = parse(argc, argv);
   std::vector<configuration> chosen;
-  const std::vector<configuration> all = named_configurations();
+  const std::vector<configuration> all = named_configurations(o.glake_conf);
   if (o.allocators.empty()) {
     chosen = all;
   } else {
