@@ -3,6 +3,8 @@
 
 #include <cstdint>
 #include <stdexcept>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "glake/detail/block_arena.hpp"
@@ -116,4 +118,33 @@ TEST_CASE("block_arena: best fit, split, carve and coalesce") {
     });
     CHECK(seen == std::vector<std::size_t>{1000, 700, 300});
   }
+}
+
+TEST_CASE("block_arena: check_tiling catches gaps, overruns and unmerged neighbours") {
+  struct seg {
+    std::uintptr_t base;
+    std::size_t size;
+  };
+  glake::detail::block_arena<seg> arena;
+  seg s{0x10000, 4096};
+  arena.add_segment(&s, s.base, s.size, glake::stream_ref{});
+  const auto extent = [](const seg& x) { return std::pair{x.base, x.size}; };
+  const auto fail = [](const std::string& what) { throw std::logic_error(what); };
+  int visited = 0;
+  const auto count = [&](const auto&) { ++visited; };
+
+  auto* first = arena.take(arena.find(0x10000), 1024);
+  CHECK_NOTHROW(arena.check_tiling(extent, fail, count));
+  CHECK(visited == 2);
+
+  s.size = 8192;  // the segment claims more than its blocks cover
+  CHECK_THROWS_WITH_AS(arena.check_tiling(extent, fail, count), "the last segment's blocks do not reach its end",
+                       std::logic_error);
+  s.size = 4096;
+  first->size = 512;  // a gap between the first block and the next
+  CHECK_THROWS_WITH_AS(arena.check_tiling(extent, fail, count), "a segment's blocks are not contiguous",
+                       std::logic_error);
+  first->size = 1024;
+  arena.give_back(first);
+  CHECK_NOTHROW(arena.check_tiling(extent, fail, count));
 }

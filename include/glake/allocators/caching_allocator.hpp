@@ -343,34 +343,19 @@ class caching_allocator {
       throw std::logic_error("glake::caching_allocator invariant broken: " + what);
     };
     std::size_t active = 0, allocated = 0, free_bytes = 0, reserved = 0, free_segments = 0;
-    const block_type* previous = nullptr;
-    arena_.for_each_block([&](const block_type& b) {
+    const auto extent = [](const segment& s) { return std::pair{s.lease.base, s.lease.size}; };
+    arena_.check_tiling(extent, fail, [&](const block_type& b) {
       if (b.size == 0 || b.size % rules_.round_to != 0) fail("block size not a positive multiple");
-      if (b.address == b.segment->lease.base) {
-        if (previous != nullptr && previous->end() != previous->segment->lease.base + previous->segment->lease.size) {
-          fail("a segment's blocks do not reach its end");
-        }
-        reserved += b.segment->lease.size;
-      } else if (previous == nullptr || previous->segment != b.segment || previous->end() != b.address) {
-        fail("a segment's blocks are not contiguous");
-      }
+      if (b.address == b.segment->lease.base) reserved += b.segment->lease.size;
       if (b.free) {
         free_bytes += b.size;
-        if (!arena_.indexed_as_free(b)) fail("free block not in the best-fit index");
-        if (previous != nullptr && previous->free && previous->segment == b.segment) {
-          fail("two free neighbours not coalesced");
-        }
         if (b.size == b.segment->lease.size) ++free_segments;
       } else {
         active += b.requested;
         allocated += b.size;
         if (b.requested > b.size) fail("live block smaller than its request");
       }
-      previous = &b;
     });
-    if (previous != nullptr && previous->end() != previous->segment->lease.base + previous->segment->lease.size) {
-      fail("the last segment's blocks do not reach its end");
-    }
     if (active != counters_.s.active_bytes) fail("active bytes disagree with live blocks");
     if (allocated != counters_.s.allocated_bytes) fail("allocated bytes disagree with live blocks");
     if (free_bytes != arena_.free_bytes()) fail("free bytes disagree with free blocks");

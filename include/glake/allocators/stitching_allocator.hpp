@@ -758,26 +758,15 @@ class stitching_allocator {
     small_.verify_unlocked();
     std::size_t active = small_.stats_unlocked().active_bytes, free_bytes = 0, reserved = 0,
                 free_segments = 0, small_blocks = 0, claimed_blocks = 0;
-    const block_type* previous = nullptr;
-    arena_.for_each_block([&](const block_type& b) {
+    const auto extent = [](const segment& s) { return std::pair{s.mapping.base, s.mapping.size}; };
+    arena_.check_tiling(extent, fail, [&](const block_type& b) {
       const auto& m = b.segment->mapping;
       if (b.size == 0 || b.size % chunk_ != 0 || (b.address - m.base) % chunk_ != 0) {
         fail("block not made of whole chunks");
       }
-      if (b.address == m.base) {
-        if (previous != nullptr && previous->end() != previous->segment->mapping.base + previous->segment->mapping.size) {
-          fail("a segment's blocks do not reach its end");
-        }
-        reserved += m.size;
-      } else if (previous == nullptr || previous->segment != b.segment || previous->end() != b.address) {
-        fail("a segment's blocks are not contiguous");
-      }
+      if (b.address == m.base) reserved += m.size;
       if (b.free) {
         free_bytes += b.size;
-        if (!arena_.indexed_as_free(b)) fail("free block not in the best-fit index");
-        if (previous != nullptr && previous->free && previous->segment == b.segment) {
-          fail("two free neighbours not coalesced");
-        }
         if (b.size == m.size) ++free_segments;
       } else if (b.owner == nullptr) {
         active += b.requested;
@@ -790,11 +779,7 @@ class stitching_allocator {
         if (!s->live || !found) fail("a block claimed by a stitch that does not hold it");
         ++claimed_blocks;
       }
-      previous = &b;
     });
-    if (previous != nullptr && previous->end() != previous->segment->mapping.base + previous->segment->mapping.size) {
-      fail("the last segment's blocks do not reach its end");
-    }
     std::size_t cached_bytes = 0, cached = 0, claimed_pieces = 0;
     std::vector<std::pair<const segment*, std::size_t>> refs;
     for (const stitched& s : stitch_by_address_) {

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
+#include <utility>
 
 #include <boost/intrusive/set.hpp>
 
@@ -242,6 +243,35 @@ class block_arena {
   void for_each_block(F&& f) const {
     for (const block_type& b : by_address_) f(b);
   }
+  /// Checks what every owner relies on: each segment's blocks tile [base, base + size) with no
+  /// gap (`extent(segment)` gives {base, size}), every free block is indexed where its key says,
+  /// and no two free neighbours of a segment are left unmerged. Calls `fail(what)`, which must
+  /// throw, on the first breach, and `visit(block)` on every block for the owner's own checks.
+  template <class Extent, class Fail, class Visit>
+  void check_tiling(Extent&& extent, Fail&& fail, Visit&& visit) const {
+    const block_type* previous = nullptr;
+    const auto reaches_end = [&](const block_type* b) {
+      const auto [base, size] = extent(*b->segment);
+      return b->end() == base + size;
+    };
+    for (const block_type& b : by_address_) {
+      if (b.address == extent(*b.segment).first) {
+        if (previous != nullptr && !reaches_end(previous)) fail("a segment's blocks do not reach its end");
+      } else if (previous == nullptr || previous->segment != b.segment || previous->end() != b.address) {
+        fail("a segment's blocks are not contiguous");
+      }
+      if (b.free) {
+        if (!indexed_as_free(b)) fail("free block not in the best-fit index");
+        if (previous != nullptr && previous->free && previous->segment == b.segment) {
+          fail("two free neighbours not coalesced");
+        }
+      }
+      visit(b);
+      previous = &b;
+    }
+    if (previous != nullptr && !reaches_end(previous)) fail("the last segment's blocks do not reach its end");
+  }
+
   /// True when `b` is indexed as free exactly where its key says.
   bool indexed_as_free(const block_type& b) const noexcept {
     auto it = free_.find(size_key{b.stream, b.size, b.address}, size_order{});
