@@ -1,0 +1,197 @@
+// The CUDA backend: physical handles from cuMemCreate and address ranges from
+// cuMemAddressReserve, mapped with cuMemMap and made accessible with cuMemSetAccess.
+// Needs <cuda.h> and the driver library (CMake target glake::cuda).
+#pragma once
+
+#include <cuda.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "glake/backends/concepts.hpp"
+#include "glake/errors.hpp"
+
+namespace glake {
+
+/// A CUDA driver call failed; the message names the call and its CUresult by name.
+class cuda_error : public driver_error {
+ public:
+  cuda_error(const char* call, CUresult result)
+      : driver_error(call, static_cast<int>(result), describe(result)), result_(result) {}
+  CUresult result() const noexcept { return result_; }
+
+ private:
+  static std::string describe(CUresult result) {
+    const char* name = nullptr;
+    const char* text = nullptr;
+    cuGetErrorName(result, &name);
+    cuGetErrorString(result, &text);
+    return std::string(name != nullptr ? name : "CUDA_ERROR_UNKNOWN") + " (" +
+           (text != nullptr ? text : "no description") + ")";
+  }
+  CUresult result_;
+};
+
+namespace detail {
+inline void cuda_check(CUresult result, const char* call) {
+  if (result != CUDA_SUCCESS) throw cuda_error(call, result);
+}
+// Out of memory is an answer, not an error: the allocator falls back and retries.
+inline bool cuda_out_of_memory(CUresult result) noexcept { return result == CUDA_ERROR_OUT_OF_MEMORY; }
+}  // namespace detail
+
+/// Physical device memory: pinned allocations on one device, optionally exportable as POSIX file
+/// descriptors (for sharing between processes). The granularity is queried from the driver
+/// (CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), never assumed.
+/// Thread safety: the driver's (its calls are thread-safe); the object itself is immutable.
+/// Construction initialises the driver and retains the device's primary context; copies share it.
+class cuda_provider {
+ public:
+  using handle_type = CUmemGenericAllocationHandle;
+
+  explicit cuda_provider(int device = 0, bool shareable = false) : device_(device), shareable_(shareable) {
+    detail::cuda_check(cuInit(0), "cuInit");
+    CUdevice dev{};
+    detail::cuda_check(cuDeviceGet(&dev, device), "cuDeviceGet");
+    // The VMM calls need a current context; without one, use the device's primary context (the
+    // one the CUDA runtime and PyTorch use), retained for the life of the process.
+    CUcontext current = nullptr;
+    detail::cuda_check(cuCtxGetCurrent(&current), "cuCtxGetCurrent");
+    if (current == nullptr) {
+      CUcontext primary = nullptr;
+      detail::cuda_check(cuDevicePrimaryCtxRetain(&primary, dev), "cuDevicePrimaryCtxRetain");
+      detail::cuda_check(cuCtxSetCurrent(primary), "cuCtxSetCurrent");
+    }
+    int supported = 0;
+    detail::cuda_check(
+        cuDeviceGetAttribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev),
+        "cuDeviceGetAttribute(VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)");
+    if (supported == 0) {
+      throw cuda_error("cuda_provider: device does not support virtual memory management",
+                       CUDA_ERROR_NOT_SUPPORTED);
+    }
+    const CUmemAllocationProp prop = properties();
+    detail::cuda_check(cuMemGetAllocationGranularity(&granularity_, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+                       "cuMemGetAllocationGranularity");
+  }
+
+  std::size_t granularity() const noexcept { return granularity_; }
+  memory_location location() const noexcept { return memory_location::device; }
+  int device() const noexcept { return device_; }
+  bool shareable() const noexcept { return shareable_; }
+
+  std::optional<handle_type> try_create(std::size_t bytes) {
+    if (bytes == 0 || bytes % granularity_ != 0) {
+      throw usage_error(usage_error::kind::bad_argument,
+                        "cuda_provider::try_create: " + std::to_string(bytes) +
+                            " bytes is not a positive multiple of the granularity " + std::to_string(granularity_));
+    }
+    handle_type handle{};
+    const CUmemAllocationProp prop = properties();
+    const CUresult result = cuMemCreate(&handle, bytes, &prop, 0);
+    if (detail::cuda_out_of_memory(result)) return std::nullopt;
+    detail::cuda_check(result, "cuMemCreate");
+    return handle;
+  }
+
+  void release(handle_type handle) noexcept { (void)cuMemRelease(handle); }
+
+  /// A POSIX file descriptor for a handle of a shareable provider (the caller closes it).
+  int export_fd(handle_type handle) const {
+    int fd = -1;
+    detail::cuda_check(cuMemExportToShareableHandle(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                       "cuMemExportToShareableHandle");
+    return fd;
+  }
+
+  friend bool operator==(const cuda_provider&, const cuda_provider&) noexcept = default;
+
+ private:
+  CUmemAllocationProp properties() const noexcept {
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = device_;
+    prop.requestedHandleTypes = shareable_ ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
+    return prop;
+  }
+
+  int device_;
+  bool shareable_;
+  std::size_t granularity_ = 0;
+};
+static_assert(physical_provider<cuda_provider>);
+
+/// Virtual address ranges on the device's address space. Access is granted read-write to the
+/// owning device and to each peer device named at construction (peer access on request).
+/// Thread safety: the driver's; the object is immutable after construction.
+class cuda_reserver {
+ public:
+  using handle_type = CUmemGenericAllocationHandle;
+
+  explicit cuda_reserver(int device = 0, std::vector<int> peers = {}) : device_(device) {
+    detail::cuda_check(cuInit(0), "cuInit");
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = device;
+    detail::cuda_check(cuMemGetAllocationGranularity(&granularity_, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+                       "cuMemGetAllocationGranularity");
+    access_.push_back(access_for(device));
+    for (int peer : peers) {
+      if (peer != device) access_.push_back(access_for(peer));
+    }
+  }
+
+  std::size_t granularity() const noexcept { return granularity_; }
+  int device() const noexcept { return device_; }
+
+  void* try_reserve(std::size_t bytes) {
+    CUdeviceptr address = 0;
+    const CUresult result = cuMemAddressReserve(&address, bytes, granularity_, 0, 0);
+    if (detail::cuda_out_of_memory(result)) return nullptr;
+    detail::cuda_check(result, "cuMemAddressReserve");
+    return reinterpret_cast<void*>(address);
+  }
+
+  void free(void* at, std::size_t bytes) noexcept { (void)cuMemAddressFree(to_device(at), bytes); }
+
+  bool try_map(void* at, std::size_t bytes, handle_type handle) {
+    const CUresult result = cuMemMap(to_device(at), bytes, 0, handle, 0);
+    if (detail::cuda_out_of_memory(result)) return false;
+    detail::cuda_check(result, "cuMemMap");
+    return true;
+  }
+
+  bool try_set_access(void* at, std::size_t bytes) {
+    const CUresult result = cuMemSetAccess(to_device(at), bytes, access_.data(), access_.size());
+    if (detail::cuda_out_of_memory(result)) return false;
+    detail::cuda_check(result, "cuMemSetAccess");
+    return true;
+  }
+
+  void unmap(void* at, std::size_t bytes) noexcept { (void)cuMemUnmap(to_device(at), bytes); }
+
+  friend bool operator==(const cuda_reserver& a, const cuda_reserver& b) noexcept { return a.device_ == b.device_; }
+
+ private:
+  static CUdeviceptr to_device(void* p) noexcept { return reinterpret_cast<CUdeviceptr>(p); }
+  static CUmemAccessDesc access_for(int device) noexcept {
+    CUmemAccessDesc desc{};
+    desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    desc.location.id = device;
+    desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    return desc;
+  }
+
+  int device_;
+  std::size_t granularity_ = 0;
+  std::vector<CUmemAccessDesc> access_;
+};
+static_assert(address_reserver_for<cuda_reserver, cuda_provider>);
+
+}  // namespace glake

@@ -1,0 +1,214 @@
+// Tests on a real GPU: the CUDA backend, stitched blocks written by kernels, several streams,
+// running out of device memory, and rollback when a driver call fails.
+// Run by tests/gpu/run_or_skip.sh, which skips (exit 77) where there is no GPU.
+#include <doctest/doctest.h>
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+#include "glake/allocators/stitching_allocator.hpp"
+#include "glake/backends/cuda.hpp"
+#include "glake/backends/fault_injection.hpp"
+#include "kernels.hpp"
+
+namespace {
+
+using namespace glake;
+using cuda_stitching = stitching_allocator<cuda_provider, cuda_reserver>;
+constexpr std::size_t M = MiB;
+
+std::size_t device_free_bytes() {
+  std::size_t free = 0, total = 0;
+  REQUIRE(cudaMemGetInfo(&free, &total) == cudaSuccess);
+  return free;
+}
+
+unsigned long long mismatches(const void* p, std::size_t bytes, unsigned int seed, cudaStream_t stream = nullptr) {
+  unsigned long long count = ~0ull;
+  REQUIRE(gpu_test::count_mismatches(p, bytes, seed, &count, stream) == cudaSuccess);
+  return count;
+}
+
+config stitch_everything() {
+  config cfg;
+  cfg.frag_limit = 0;
+  return cfg;
+}
+
+}  // namespace
+
+TEST_CASE("gpu: the CUDA provider and reserver keep CUDA's rules; one handle mapped twice shows the same bytes") {
+  REQUIRE(cudaFree(nullptr) == cudaSuccess);  // the runtime's context, shared with the driver calls
+  cuda_provider provider(0);
+  cuda_reserver reserver(0);
+  const std::size_t g = provider.granularity();
+  CHECK(g >= 2 * M);
+  CHECK((g & (g - 1)) == 0);
+  CHECK(reserver.granularity() == g);
+  CHECK(provider.location() == memory_location::device);
+  CHECK_THROWS_AS((void)provider.try_create(g + 1), usage_error);
+
+  auto handle = provider.try_create(4 * g);
+  REQUIRE(handle.has_value());
+  void* a = reserver.try_reserve(4 * g);
+  void* b = reserver.try_reserve(4 * g);
+  REQUIRE(a != nullptr);
+  REQUIRE(b != nullptr);
+  REQUIRE(reserver.try_map(a, 4 * g, *handle));
+  REQUIRE(reserver.try_map(b, 4 * g, *handle));
+  REQUIRE(reserver.try_set_access(a, 4 * g));
+  REQUIRE(reserver.try_set_access(b, 4 * g));
+  REQUIRE(gpu_test::fill(a, 4 * g, 7) == cudaSuccess);
+  CHECK(mismatches(b, 4 * g, 7) == 0);  // written through one mapping, read through the other
+  // A mapping at an offset into a handle is refused by the driver: handles are mapped whole.
+  CHECK_THROWS_AS((void)reserver.try_map(static_cast<char*>(a), g, *handle), cuda_error);
+  reserver.unmap(a, 4 * g);
+  reserver.unmap(b, 4 * g);
+  reserver.free(a, 4 * g);
+  reserver.free(b, 4 * g);
+  provider.release(*handle);
+}
+
+TEST_CASE("gpu: a kernel writes a stitched block and the host reads back what it wrote") {
+  REQUIRE(cudaFree(nullptr) == cudaSuccess);
+  cuda_stitching allocator(cuda_provider(0), cuda_reserver(0), stitch_everything());
+  std::vector<void*> blocks;
+  for (int i = 0; i < 4; ++i) {
+    blocks.push_back(allocator.allocate(64 * M));
+    REQUIRE(gpu_test::fill(blocks[i], 64 * M, 100 + i) == cudaSuccess);
+  }
+  allocator.deallocate(blocks[0], 64 * M);
+  allocator.deallocate(blocks[2], 64 * M);
+  const std::size_t reserved = allocator.stats().reserved_bytes;
+  void* stitched = allocator.allocate(128 * M);
+  CHECK(allocator.stats().stitches == 1);
+  CHECK(allocator.stats().reserved_bytes == reserved);
+  REQUIRE(gpu_test::fill(stitched, 128 * M, 999) == cudaSuccess);
+  CHECK(mismatches(stitched, 128 * M, 999) == 0);
+  // Host read-back through cudaMemcpy, across the seam between the two stitched blocks.
+  std::vector<unsigned int> host(2);
+  const std::size_t seam_word = 64 * M / 4 - 1;
+  REQUIRE(cudaMemcpy(host.data(), static_cast<unsigned int*>(stitched) + seam_word, 8, cudaMemcpyDeviceToHost) ==
+          cudaSuccess);
+  CHECK(host[0] == (static_cast<unsigned int>(seam_word * 2654435761u) ^ 999u));
+  CHECK(host[1] == (static_cast<unsigned int>((seam_word + 1) * 2654435761u) ^ 999u));
+  // The live neighbours kept their contents.
+  CHECK(mismatches(blocks[1], 64 * M, 101) == 0);
+  CHECK(mismatches(blocks[3], 64 * M, 103) == 0);
+  allocator.deallocate(stitched, 128 * M);
+  allocator.deallocate(blocks[1], 64 * M);
+  allocator.deallocate(blocks[3], 64 * M);
+  allocator.verify();
+}
+
+TEST_CASE("gpu: several streams at once each reuse their own blocks, kernels see their own data") {
+  REQUIRE(cudaFree(nullptr) == cudaSuccess);
+  stitching_allocator<cuda_provider, cuda_reserver, best_fit_tail_stitching, lru_eviction, mutex_lock> allocator(
+      cuda_provider(0), cuda_reserver(0), stitch_everything());
+  std::vector<std::thread> threads;
+  std::vector<unsigned long long> errors(4, 0);
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      cudaStream_t stream = nullptr;
+      if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
+        errors[t] = 1;
+        return;
+      }
+      for (int i = 0; i < 50; ++i) {
+        const std::size_t bytes = (1 + (i * 7 + t) % 16) * 3 * M + 4096 * t;
+        void* p = allocator.allocate(bytes, stream_ref{stream});
+        const unsigned int seed = static_cast<unsigned int>(t * 1000 + i);
+        unsigned long long bad = 0;
+        if (gpu_test::fill(p, bytes & ~std::size_t{3}, seed, stream) != cudaSuccess ||
+            gpu_test::count_mismatches(p, bytes & ~std::size_t{3}, seed, &bad, stream) != cudaSuccess) {
+          bad = 1;
+        }
+        errors[t] += bad;
+        allocator.deallocate(p, bytes, stream_ref{stream});  // after the synchronizing check
+      }
+      cudaStreamDestroy(stream);
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < 4; ++t) CHECK(errors[t] == 0);
+  allocator.verify();
+  CHECK(allocator.stats().active_bytes == 0);
+}
+
+TEST_CASE("gpu: running out of the real device memory leaves the allocator usable") {
+  REQUIRE(cudaFree(nullptr) == cudaSuccess);
+  const std::size_t free_before = device_free_bytes();
+  {
+    config cfg;
+    cfg.max_handle = 1 * GiB;  // fill the device with few driver calls
+    cuda_stitching allocator(cuda_provider(0), cuda_reserver(0), cfg);
+    std::vector<void*> held;
+    for (;;) {
+      void* p = allocator.try_allocate(4 * GiB);
+      if (p == nullptr) break;
+      held.push_back(p);
+      REQUIRE(held.size() < 64);  // a device with more than 256 GiB would be news
+    }
+    CHECK(held.size() >= 1);
+    CHECK_THROWS_AS((void)allocator.allocate(4 * GiB), out_of_memory);
+    allocator.verify();
+    // Usable afterwards: small requests still fit, and freed memory is reused at once.
+    void* small = allocator.try_allocate(1000);
+    allocator.deallocate(held.back(), 4 * GiB);
+    held.pop_back();
+    void* again = allocator.allocate(4 * GiB);
+    REQUIRE(gpu_test::fill(again, 4 * GiB, 5) == cudaSuccess);
+    CHECK(mismatches(again, 4 * GiB, 5) == 0);
+    allocator.deallocate(again, 4 * GiB);
+    if (small != nullptr) allocator.deallocate(small, 1000);
+    for (void* p : held) allocator.deallocate(p, 4 * GiB);
+    allocator.release_cached();
+    allocator.verify();
+    CHECK(allocator.stats().reserved_bytes == 0);
+  }
+  // Everything went back to the driver (within a little driver bookkeeping).
+  CHECK(device_free_bytes() + 64 * M >= free_before);
+}
+
+TEST_CASE("gpu: a failure at any driver call of a stitch leaves allocator and device as they were") {
+  REQUIRE(cudaFree(nullptr) == cudaSuccess);
+  using faulty = stitching_allocator<fault_injecting_provider<cuda_provider>, fault_injecting_reserver<cuda_reserver>>;
+  const std::size_t free_before = device_free_bytes();
+  int sites = 0;
+  for (std::uint64_t n = 1;; ++n) {
+    CAPTURE(n);
+    fault_plan plan;
+    config cfg = stitch_everything();
+    cfg.grow_stitch = true;
+    faulty allocator(fault_injecting_provider<cuda_provider>(cuda_provider(0), plan),
+                     fault_injecting_reserver<cuda_reserver>(cuda_reserver(0), plan), cfg);
+    void* blocks[4];
+    for (auto& b : blocks) b = allocator.allocate(8 * M);
+    allocator.deallocate(blocks[0], 8 * M);
+    allocator.deallocate(blocks[2], 8 * M);
+    const statistics before = allocator.stats();
+    plan.fail_nth_call(n);
+    void* p = allocator.try_allocate(24 * M);  // 16 MiB stitched from the free blocks + 8 MiB new
+    const bool injected = plan.faults_injected() > 0;
+    plan.never_fail();
+    allocator.verify();
+    if (p == nullptr) {
+      CHECK(allocator.stats().reserved_bytes == before.reserved_bytes);
+      CHECK(allocator.stats().active_bytes == before.active_bytes);
+      p = allocator.allocate(24 * M);
+    }
+    REQUIRE(gpu_test::fill(p, 24 * M, 3) == cudaSuccess);
+    CHECK(mismatches(p, 24 * M, 3) == 0);
+    allocator.deallocate(p, 24 * M);
+    allocator.deallocate(blocks[1], 8 * M);
+    allocator.deallocate(blocks[3], 8 * M);
+    if (!injected) break;
+    ++sites;
+  }
+  CHECK(sites >= 8);
+  CHECK(device_free_bytes() + 64 * M >= free_before);  // nothing leaked on the device
+}
