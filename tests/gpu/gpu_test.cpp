@@ -212,3 +212,29 @@ TEST_CASE("gpu: a failure at any driver call of a stitch leaves allocator and de
   CHECK(sites >= 8);
   CHECK(device_free_bytes() + 64 * M >= free_before);  // nothing leaked on the device
 }
+
+TEST_CASE("gpu: a block still used by a kernel on another stream is not reused until that kernel is done") {
+  REQUIRE(cudaFree(nullptr) == cudaSuccess);
+  cudaStream_t a = nullptr, b = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking) == cudaSuccess);
+  {
+    cuda_stitching allocator(cuda_provider(0), cuda_reserver(0));
+    void* p = allocator.allocate(8 * M, stream_ref{a});
+    REQUIRE(gpu_test::spin(2'000'000'000LL, b) == cudaSuccess);  // about a second of work on b
+    REQUIRE(gpu_test::fill(p, 8 * M, 1, b) == cudaSuccess);      // b writes p after it
+    allocator.record_stream(p, stream_ref{b});
+    allocator.deallocate(p, 8 * M, stream_ref{a});
+    void* q = allocator.allocate(8 * M, stream_ref{a});
+    CHECK(q != p);  // b's kernel may still write p
+    REQUIRE(cudaStreamSynchronize(b) == cudaSuccess);
+    void* r = allocator.allocate(8 * M, stream_ref{a});
+    CHECK(r == p);  // b is done: the deferred free ran
+    CHECK(mismatches(r, 8 * M, 1, a) == 0);  // and what b wrote was never overwritten meanwhile
+    allocator.deallocate(q, 8 * M, stream_ref{a});
+    allocator.deallocate(r, 8 * M, stream_ref{a});
+    allocator.verify();
+  }
+  cudaStreamDestroy(a);
+  cudaStreamDestroy(b);
+}

@@ -18,9 +18,20 @@ __global__ void check_kernel(const unsigned int* data, std::size_t words, unsign
   }
 }
 
+__global__ void spin_kernel(long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) {
+  }
+}
+
 }  // namespace
 
 namespace glake::gpu_test {
+
+cudaError_t spin(long long cycles, cudaStream_t stream) {
+  spin_kernel<<<1, 1, 0, stream>>>(cycles);
+  return cudaGetLastError();
+}
 
 cudaError_t fill(void* p, std::size_t bytes, unsigned int seed, cudaStream_t stream) {
   fill_kernel<<<1024, 256, 0, stream>>>(static_cast<unsigned int*>(p), bytes / 4, seed);

@@ -161,6 +161,12 @@ class caching_allocator {
     }
     return released;
   }
+  /// What the caller asked for when `p` was allocated; 0 when `p` is not live here.
+  std::size_t requested_of(const void* p) noexcept {
+    const block_type* b = arena_.find(reinterpret_cast<std::uintptr_t>(p));
+    return b != nullptr && !b->free ? b->requested : 0;
+  }
+
   /// True when `p` points into a free block (a double free looks like this).
   bool inside_free_block(const void* p) noexcept {
     const block_type* c = arena_.containing(reinterpret_cast<std::uintptr_t>(p));

@@ -69,6 +69,25 @@ class stitching_allocator {
   using handle_type = typename Provider::handle_type;
   using backend_type = detail::vmm_backend<Provider, Reserver>;
   using slot_type = detail::handle_slot<handle_type>;
+  static constexpr bool has_events = stream_ordered_reserver<Reserver>;
+  struct no_event {};
+  template <class R, bool = stream_ordered_reserver<R>>
+  struct event_of {
+    using type = no_event;
+  };
+  template <class R>
+  struct event_of<R, true> {
+    using type = typename R::event_type;
+  };
+  using event_type = typename event_of<Reserver>::type;
+
+  // A free deferred until work queued on other streams (record_stream) has completed.
+  struct pending_free {
+    void* p;
+    std::size_t bytes;
+    stream_ref stream;
+    std::vector<event_type> events;
+  };
 
   struct segment : eviction_hook {
     detail::mapped_segment<handle_type> mapping;
@@ -108,6 +127,8 @@ class stitching_allocator {
     bool live = false;
     std::size_t requested = 0;
     std::size_t claimed_bytes = 0;  ///< the prefix of `size` claimed while live
+    bool has_free_event = false;    ///< free_event marks the work queued before it was cached
+    event_type free_event{};
   };
   struct stitch_by_address {
     bool operator()(const stitched& a, const stitched& b) const noexcept { return a.base < b.base; }
@@ -206,11 +227,27 @@ class stitching_allocator {
     deallocate_locked(p, bytes, stream);
   }
 
+  /// The allocation at `p` is also used by work on `stream` (PyTorch's record_stream): when it is
+  /// freed, its memory is reused only after the work queued on `stream` by then has completed.
+  /// Backends without events need nothing of this. Throws usage_error for a pointer not live here.
+  void record_stream(void* p, stream_ref stream) {
+    std::lock_guard guard(lock_);
+    if (!owns_unlocked(p)) detail::throw_not_live(name, p, false);
+    if constexpr (has_events) {
+      const auto address = reinterpret_cast<std::uintptr_t>(p);
+      for (const auto& [a, s] : extra_uses_) {
+        if (a == address && s == stream) return;
+      }
+      extra_uses_.emplace_back(address, stream);
+    }
+  }
+
   /// Drops every cached stitched mapping and gives every fully free segment back to the backend
   /// (PyTorch's empty_cache).
   void release_cached() {
     std::lock_guard guard(lock_);
-    evict_stitches(~std::size_t{0});
+    finish_pending_frees(true);
+    evict_stitches(~std::size_t{0}, true);
     small_.release_free_segments(~std::size_t{0});
     release_free_segments(~std::size_t{0});
   }
@@ -223,6 +260,11 @@ class stitching_allocator {
   /// True when `p` is a live allocation of this allocator (small, primitive or stitched).
   bool owns(const void* p) const {
     std::lock_guard guard(lock_);
+    return owns_unlocked(p);
+  }
+
+ private:
+  bool owns_unlocked(const void* p) const {
     const auto address = reinterpret_cast<std::uintptr_t>(p);
     auto& self = const_cast<stitching_allocator&>(*this);
     if (const block_type* b = self.arena_.find(address); b != nullptr && !b->free && b->owner == nullptr) {
@@ -231,6 +273,8 @@ class stitching_allocator {
     auto it = stitch_by_address_.find(address, stitch_by_address{});
     return (it != stitch_by_address_.end() && it->live) || small_.owns(p);
   }
+
+ public:
 
   /// Physical bytes held now (what stats().reserved_bytes says, without copying the rest).
   std::size_t reserved_bytes() const {
@@ -308,6 +352,9 @@ class stitching_allocator {
 
   // ------------------------------------------------------------------ allocation
   void* allocate_locked(std::size_t bytes, stream_ref stream) {
+    if constexpr (has_events) {
+      if (!pending_.empty()) finish_pending_frees(false);
+    }
     if (bytes <= config_.small_limit) {
       void* p = small_.allocate_unlocked(bytes, stream);
       if (p != nullptr) counters_.on_allocate(bytes, detail::round_up(bytes, config_.round_to));
@@ -332,7 +379,13 @@ class stitching_allocator {
           if (block_type* b = arena_.best_fit(stream, size)) return hand_out(b, size, bytes);
         }
       } else if (rung == 1) {
-        evict_stitches(~std::size_t{0});
+        if constexpr (has_events) {
+          if (!pending_.empty()) {
+            finish_pending_frees(true);  // deferred frees may be what is missing
+            if (block_type* b = arena_.best_fit(stream, size)) return hand_out(b, size, bytes);
+          }
+        }
+        evict_stitches(~std::size_t{0}, true);
         release_free_segments(size);
       } else {
         release_free_segments(~std::size_t{0});
@@ -458,7 +511,7 @@ class stitching_allocator {
       arena_.reserve_nodes(2 * s->pieces.size());
       void* base = backend_.try_map_stitched(handles_);
       if (base == nullptr && !stitch_queue_.empty()) {
-        evict_stitches(~std::size_t{0});  // StitchFree: mappings may be what ran out
+        evict_stitches(~std::size_t{0}, true);  // StitchFree: mappings may be what ran out
         base = backend_.try_map_stitched(handles_);
       }
       if (base == nullptr) {
@@ -550,7 +603,7 @@ class stitching_allocator {
     if (b == nullptr) b = add_segment(bytes, stream);
     if (b == nullptr) {
       // Under pressure, cached mappings and fully free large segments make room for small ones.
-      evict_stitches(~std::size_t{0});
+      evict_stitches(~std::size_t{0}, true);
       if (release_free_segments(bytes) > 0) b = add_segment(bytes, stream);
     }
     if (b == nullptr) return false;
@@ -570,6 +623,85 @@ class stitching_allocator {
   // ------------------------------------------------------------------ deallocation
   void deallocate_locked(void* p, std::size_t bytes, stream_ref stream) {
     if (p == nullptr) return;
+    if constexpr (has_events) {
+      if (!pending_.empty() || !extra_uses_.empty()) {
+        if (defer_free(p, bytes, stream)) return;
+      }
+    }
+    free_now(p, bytes, stream);
+  }
+
+  // Frees an allocation used on other streams later, once events on them have completed. True
+  // when deferred. Misuse is diagnosed now, not when the deferred free runs.
+  bool defer_free(void* p, std::size_t bytes, stream_ref stream) {
+    for (const pending_free& f : pending_) {
+      if (f.p == p) detail::throw_not_live(name, p, true);  // freed already, still pending
+    }
+    const auto address = reinterpret_cast<std::uintptr_t>(p);
+    const auto first = std::partition(extra_uses_.begin(), extra_uses_.end(),
+                                      [address](const auto& use) { return use.first != address; });
+    if (first == extra_uses_.end()) return false;
+    if (!owns_unlocked(p)) detail::throw_not_live(name, p, false);
+    if (const std::size_t expected = requested_of(p); expected != bytes) {
+      detail::throw_size_mismatch(name, p, bytes, expected);
+    }
+    pending_free pending{p, bytes, stream, {}};
+    pending.events.reserve(static_cast<std::size_t>(extra_uses_.end() - first));
+    pending_.reserve(pending_.size() + 1);
+    for (auto it = first; it != extra_uses_.end(); ++it) {
+      if (it->second != stream) pending.events.push_back(backend_.reserver().record_event(it->second));
+    }
+    extra_uses_.erase(first, extra_uses_.end());
+    pending_.push_back(std::move(pending));
+    return true;
+  }
+
+  // Runs the deferred frees whose events have completed (all of them, waiting, when `wait`).
+  void finish_pending_frees(bool wait) noexcept {
+    if constexpr (has_events) {
+      for (std::size_t i = 0; i < pending_.size();) {
+        pending_free& f = pending_[i];
+        bool done = true;
+        for (const event_type& e : f.events) {
+          bool complete = false;
+          try {
+            complete = backend_.reserver().event_done(e);
+          } catch (...) {
+            complete = false;
+          }
+          if (!complete && !wait) {
+            done = false;
+            break;
+          }
+        }
+        if (!done) {
+          ++i;
+          continue;
+        }
+        for (const event_type& e : f.events) {
+          if (wait) backend_.reserver().wait_event(e);
+          backend_.reserver().recycle_event(e);
+        }
+        try {
+          free_now(f.p, f.bytes, f.stream);
+        } catch (...) {
+          // Checked when deferred; nothing left to report to.
+        }
+        pending_[i] = std::move(pending_.back());
+        pending_.pop_back();
+      }
+    }
+  }
+
+  std::size_t requested_of(const void* p) {
+    const auto address = reinterpret_cast<std::uintptr_t>(p);
+    if (const block_type* b = arena_.find(address); b != nullptr && !b->free && b->owner == nullptr) return b->requested;
+    auto it = stitch_by_address_.find(address, stitch_by_address{});
+    if (it != stitch_by_address_.end() && it->live) return it->requested;
+    return small_.requested_of(p);
+  }
+
+  void free_now(void* p, std::size_t bytes, stream_ref stream) {
     const auto address = reinterpret_cast<std::uintptr_t>(p);
     if (bytes != 0 && bytes <= config_.small_limit) {
       // The small pool checks the size itself and throws on a mismatch.
@@ -619,21 +751,48 @@ class stitching_allocator {
     s.requested = 0;
     s.claimed_bytes = 0;
     s.eviction_bytes_ = s.size;
+    if constexpr (has_events) {
+      // Work queued on the stream may still use the range: evict it only once this completes.
+      try {
+        s.free_event = backend_.reserver().record_event(s.stream);
+        s.has_free_event = true;
+      } catch (...) {
+        s.has_free_event = false;  // eviction will synchronize the stream instead
+      }
+    }
     cached_by_size_.insert(s);
     stitch_queue_.push(s);
     counters_.s.cached_stitch_bytes += s.size;
     if (counters_.s.cached_stitch_bytes > config_.auto_gc) {
-      evict_stitches(counters_.s.cached_stitch_bytes - config_.auto_gc);
+      evict_stitches(counters_.s.cached_stitch_bytes - config_.auto_gc, false);
     }
   }
 
   // ------------------------------------------------------------------ eviction
   // Drops cached stitched ranges in Evict order until `bytes` of them are gone.
-  std::size_t evict_stitches(std::size_t bytes) noexcept {
+  // Without `wait`, stops at the first range whose free event has not completed (GMLake's
+  // StitchFree); with it, waits for that stream instead.
+  std::size_t evict_stitches(std::size_t bytes, bool wait) noexcept {
     std::size_t dropped = 0;
     while (dropped < bytes) {
       stitched* s = stitch_queue_.victim();
       if (s == nullptr) break;
+      if constexpr (has_events) {
+        bool done = false;
+        try {
+          done = s->has_free_event && backend_.reserver().event_done(s->free_event);
+        } catch (...) {
+          done = false;
+        }
+        if (!done) {
+          if (!wait) break;
+          if (s->has_free_event) {
+            backend_.reserver().wait_event(s->free_event);
+          } else {
+            backend_.reserver().synchronize_device();
+          }
+        }
+      }
       dropped += s->size;
       drop_stitch(s);
     }
@@ -641,6 +800,9 @@ class stitching_allocator {
   }
 
   void drop_stitch(stitched* s) noexcept {
+    if constexpr (has_events) {
+      if (s->has_free_event) backend_.reserver().recycle_event(s->free_event);
+    }
     stitch_queue_.erase(*s);
     cached_by_size_.erase(cached_by_size_.iterator_to(*s));
     stitch_by_address_.erase(stitch_by_address_.iterator_to(*s));
@@ -668,6 +830,7 @@ class stitching_allocator {
   // A segment still mapped by a live stitched range stays; cached ranges mapping it are dropped.
   std::size_t release_free_segments(std::size_t bytes) noexcept {
     std::size_t released = 0;
+    [[maybe_unused]] bool synchronized = false;
     pinned_.clear();
     while (released < bytes) {
       segment* victim = free_segments_.victim();
@@ -678,6 +841,12 @@ class stitching_allocator {
         if (pinned_.size() == pinned_.capacity()) break;  // no room to remember it: stop here
         pinned_.push_back(victim);
         continue;
+      }
+      if constexpr (has_events) {
+        // Never release memory that queued work may still read. Its stream may be gone, so wait
+        // for the device, once per call: this is the memory-pressure path, as in PyTorch.
+        if (!synchronized) backend_.reserver().synchronize_device();
+        synchronized = true;
       }
       released += victim->mapping.size;
       drop_segment(victim);
@@ -710,6 +879,14 @@ class stitching_allocator {
   }
 
   void release_everything() noexcept {
+    if constexpr (has_events) {
+      finish_pending_frees(true);
+      backend_.reserver().synchronize_device();
+      for (stitched& st : stitch_by_address_) {
+        if (st.has_free_event) backend_.reserver().recycle_event(st.free_event);
+        st.has_free_event = false;
+      }
+    }
     while (!stitch_by_address_.empty()) {
       stitched& s = *stitch_by_address_.begin();
       if (!s.live) {
@@ -851,6 +1028,8 @@ class stitching_allocator {
   std::vector<slot_type> handles_;
   std::vector<std::size_t> handle_sizes_;
   std::vector<segment*> pinned_;  // segments a live stitch keeps from release (bounded)
+  std::vector<std::pair<std::uintptr_t, stream_ref>> extra_uses_;  // record_stream, live allocations
+  std::vector<pending_free> pending_;
   [[no_unique_address]] mutable Lock lock_;
 };
 

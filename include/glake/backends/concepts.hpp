@@ -6,6 +6,8 @@
 #include <cstddef>
 #include <optional>
 
+#include "glake/stream.hpp"
+
 namespace glake {
 
 /// Where the memory a provider creates lives, as a property users can test.
@@ -74,6 +76,37 @@ concept address_reserver =
       { r.try_map(at, bytes, handle) } -> std::same_as<bool>;
       { r.try_set_access(at, bytes) } -> std::same_as<bool>;
       { r.unmap(at, bytes) } noexcept -> std::same_as<void>;
+    };
+
+// ---------------------------------------------------------------------------------------------
+// stream_ordered_reserver (optional refinement)
+//
+// A reserver whose memory is used by asynchronous work queued on streams (CUDA) also offers
+// events, so the allocator never unmaps or releases memory that queued work may still read.
+// Backends without asynchronous work (host, sim) do not model it, and the allocators then need
+// no events at all.
+//
+// | expression            | returns       | throws        | meaning
+// |-----------------------|---------------|---------------|------------------------------------
+// | R::event_type         |               |               | copyable, names one recorded event
+// | r.record_event(s)     | event_type    | driver_error  | marks everything queued on s so far
+// | r.event_done(e)       | bool          | driver_error  | that work has completed
+// | r.recycle_event(e)    | void          | no            | e goes back to a pool
+// | r.wait_event(e)       | void          | no            | returns when that work has completed
+// | r.synchronize_device()| void          | no            | returns when all queued work completed
+//
+// Streams may be destroyed by their users at any time, so an allocator never keeps a stream to
+// wait on later: it records events (valid after their stream is gone) or waits for the device.
+// ---------------------------------------------------------------------------------------------
+template <class R>
+concept stream_ordered_reserver =
+    address_reserver<R> && std::copyable<typename R::event_type> &&
+    requires(R& r, stream_ref stream, typename R::event_type event) {
+      { r.record_event(stream) } -> std::same_as<typename R::event_type>;
+      { r.event_done(event) } -> std::same_as<bool>;
+      { r.recycle_event(event) } noexcept;
+      { r.wait_event(event) } noexcept;
+      { r.synchronize_device() } noexcept;
     };
 
 /// A reserver that maps the handles a given provider creates.

@@ -7,6 +7,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -14,6 +16,7 @@
 
 #include "glake/backends/concepts.hpp"
 #include "glake/errors.hpp"
+#include "glake/stream.hpp"
 
 namespace glake {
 
@@ -176,6 +179,28 @@ class cuda_reserver {
 
   void unmap(void* at, std::size_t bytes) noexcept { (void)cuMemUnmap(to_device(at), bytes); }
 
+  // --- events (stream_ordered_reserver): pooled, timing disabled ---
+  using event_type = CUevent;
+
+  event_type record_event(stream_ref stream) {
+    CUevent event = events_->take();
+    const CUresult result = cuEventRecord(event, stream.as<CUstream_st>());
+    if (result != CUDA_SUCCESS) {
+      events_->give(event);
+      detail::cuda_check(result, "cuEventRecord");
+    }
+    return event;
+  }
+  bool event_done(event_type event) {
+    const CUresult result = cuEventQuery(event);
+    if (result == CUDA_ERROR_NOT_READY) return false;
+    detail::cuda_check(result, "cuEventQuery");
+    return true;
+  }
+  void recycle_event(event_type event) noexcept { events_->give(event); }
+  void wait_event(event_type event) noexcept { (void)cuEventSynchronize(event); }
+  void synchronize_device() noexcept { (void)cuCtxSynchronize(); }
+
   friend bool operator==(const cuda_reserver& a, const cuda_reserver& b) noexcept { return a.device_ == b.device_; }
 
  private:
@@ -188,10 +213,48 @@ class cuda_reserver {
     return desc;
   }
 
+  // Events are created once and reused; copies of a reserver share the pool.
+  class event_pool {
+   public:
+    event_pool() = default;
+    event_pool(const event_pool&) = delete;
+    event_pool& operator=(const event_pool&) = delete;
+    ~event_pool() {
+      for (CUevent e : free_) (void)cuEventDestroy(e);
+    }
+    CUevent take() {
+      {
+        std::lock_guard guard(mutex_);
+        if (!free_.empty()) {
+          CUevent e = free_.back();
+          free_.pop_back();
+          return e;
+        }
+      }
+      CUevent e = nullptr;
+      detail::cuda_check(cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+      return e;
+    }
+    void give(CUevent e) noexcept {
+      std::lock_guard guard(mutex_);
+      try {
+        free_.push_back(e);
+      } catch (...) {
+        (void)cuEventDestroy(e);
+      }
+    }
+
+   private:
+    std::mutex mutex_;
+    std::vector<CUevent> free_;
+  };
+
   int device_;
   std::size_t granularity_ = 0;
   std::vector<CUmemAccessDesc> access_;
+  std::shared_ptr<event_pool> events_ = std::make_shared<event_pool>();
 };
 static_assert(address_reserver_for<cuda_reserver, cuda_provider>);
+static_assert(stream_ordered_reserver<cuda_reserver>);
 
 }  // namespace glake
