@@ -59,7 +59,11 @@ namespace glake {
 /// cached path once warm.
 /// Thread safety: as the Lock policy; one lock per public call.
 /// Streams: blocks, chunks and stitches belong to the stream whose segment they came from and are
-/// reused only on it; cross-stream reuse and event-ordered release come with the CUDA layer.
+/// reused on it at once. On backends with events (stream_ordered_reserver, e.g. CUDA), an
+/// allocation marked with record_stream is freed only once the work queued on those streams has
+/// completed; a cached stitched range is unmapped only once the work queued before its free has
+/// completed; physical memory is released only after the device is synchronized. Memory moves to
+/// another stream only through release and re-creation under pressure, as in PyTorch.
 /// Errors: allocate throws out_of_memory (state unchanged, allocator usable); try_allocate returns
 /// null; misuse throws usage_error; a backend failure throws its error after a full rollback.
 template <physical_provider Provider, address_reserver_for<Provider> Reserver,
