@@ -290,25 +290,29 @@ TEST_CASE("stitching: with large handles only whole free handles are stitched, a
   config cfg = stitch_everything();
   cfg.max_handle = 64 * M;
   sim_stitching allocator(sim_provider{device}, sim_reserver{device}, cfg);
-  // Two 512 MiB segments (64 MiB handles); in each, a live 32 MiB block covers half a handle.
+  // Two 512 MiB segments of eight 64 MiB handles; a live 32 MiB block then covers half of the
+  // first handle of one of them.
   void* a = allocator.allocate(512 * M);
   void* b = allocator.allocate(512 * M);
   allocator.deallocate(a, 512 * M);
   allocator.deallocate(b, 512 * M);
-  void* pin_a = allocator.allocate(32 * M);
-  void* pin_b = allocator.allocate(32 * M);
-  // 480 MiB free in each segment, of which 448 MiB are whole handles: a 900 MiB stitch fits.
-  void* big = allocator.allocate(900 * M);
+  void* pin = allocator.allocate(32 * M);
+  const auto before = allocator.free_memory();
+  CHECK(before.whole_handles == (7 + 8) * 64 * M);
+  CHECK(before.partial_handles == 32 * M);  // the other half of the pinned handle
+  // 960 MiB of whole handles: a 950 MiB stitch fits without new memory.
+  void* big = allocator.allocate(950 * M);
   CHECK(allocator.stats().stitches == 1);
   CHECK(allocator.stats().reserved_bytes == 1024 * M);
-  // The two 32 MiB halves of the pinned handles can still be used in place.
+  // The half handle next to the pinned block is not stitchable, but serves in place.
   void* in_place = allocator.allocate(30 * M);
   CHECK(allocator.stats().reserved_bytes == 1024 * M);
   allocator.verify();
-  for (auto [p, n] : {std::pair{big, 900 * M}, {in_place, 30 * M}, {pin_a, 32 * M}, {pin_b, 32 * M}}) {
-    allocator.deallocate(p, n);
-  }
+  for (auto [p, n] : {std::pair{big, 950 * M}, {in_place, 30 * M}, {pin, 32 * M}}) allocator.deallocate(p, n);
   allocator.verify();
+  const auto after = allocator.free_memory();
+  CHECK(after.whole_handles == 1024 * M);
+  CHECK(after.partial_handles == 0);
   CHECK(device.violations() == 0);
 }
 

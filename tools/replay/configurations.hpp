@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -24,9 +25,18 @@ namespace glake::replay {
 /// one cudaMalloc/cudaFree per segment (PyTorch's default allocator).
 enum class driver_model { vmm, cuda_malloc };
 
+/// Where the free memory of a stitching pool sits (see stitching_allocator::free_memory).
+struct free_breakdown {
+  std::size_t whole_handles = 0;
+  std::size_t partial_handles = 0;
+  std::size_t small_pool = 0;
+};
+
 /// A configuration behind one interface, owning the simulated device it runs on.
 class replayable {
  public:
+  /// The stitching pool's free memory by kind; nothing for configurations without one.
+  virtual std::optional<free_breakdown> free_memory() const = 0;
   virtual ~replayable() = default;
   virtual void* try_allocate(std::size_t bytes, stream_ref stream) = 0;
   virtual void deallocate(void* p, std::size_t bytes, stream_ref stream) = 0;
@@ -48,6 +58,17 @@ class replayable_allocator final : public replayable {
   statistics stats() const override { return allocator_.stats(); }
   void verify() const override { allocator_.verify(); }
   const sim_device& device() const override { return device_; }
+  std::optional<free_breakdown> free_memory() const override {
+    if constexpr (requires { allocator_.free_memory(); }) {
+      const auto r = allocator_.free_memory();
+      return free_breakdown{r.whole_handles, r.partial_handles, r.small_pool};
+    } else if constexpr (requires { allocator_.large().free_memory(); }) {
+      const auto r = const_cast<Allocator&>(allocator_).large().free_memory();
+      return free_breakdown{r.whole_handles, r.partial_handles, r.small_pool};
+    } else {
+      return std::nullopt;
+    }
+  }
 
  private:
   sim_device device_;

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -31,6 +32,7 @@ struct replay_result {
   double modeled_driver_us = 0;
   double host_ns_per_operation = 0;
   std::size_t recorded_peak_reserved = 0;  ///< PyTorch's own, from the trace (0 if none)
+  std::optional<free_breakdown> free_at_peak;  ///< where free memory sat at peak reserved
   std::vector<double> reserved_series;     ///< after each a/f event, when asked for
   std::vector<double> active_series;
 };
@@ -51,7 +53,7 @@ inline replay_result replay_trace(const trace& t, const configuration& c, std::s
     r.reserved_series.reserve(t.allocations + t.frees);
     r.active_series.reserve(t.allocations + t.frees);
   }
-  std::size_t active = 0, reserved = 0;
+  std::size_t active = 0, reserved = 0, peak_seen = 0;
   const std::size_t step = std::max<std::size_t>(1, t.events.size() / 64);
   const auto start = std::chrono::steady_clock::now();
   for (std::size_t i = 0; i < t.events.size(); ++i) {
@@ -78,6 +80,10 @@ inline replay_result replay_trace(const trace& t, const configuration& c, std::s
     const std::size_t now = allocator->reserved_bytes();
     if (c.model == driver_model::cuda_malloc && now != reserved) {
       r.modeled_driver_us += now > reserved ? modeled_cuda_malloc_us(now - reserved) : modeled_cuda_free_us(reserved - now);
+    }
+    if (now > peak_seen) {  // a new high-water mark: note where the free memory is
+      peak_seen = now;
+      r.free_at_peak = allocator->free_memory();
     }
     reserved = now;
     if (series) {

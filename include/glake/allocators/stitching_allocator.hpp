@@ -280,6 +280,27 @@ class stitching_allocator {
 
  public:
 
+  /// Where free memory sits, for diagnosing fragmentation: bytes of free blocks in the large pool
+  /// that are whole handles (stitchable), bytes of free blocks inside partly used handles (usable
+  /// only in place), and bytes of the small pool's borrowed blocks that are free. O(blocks).
+  struct free_memory_report {
+    std::size_t whole_handles = 0;
+    std::size_t partial_handles = 0;
+    std::size_t small_pool = 0;
+  };
+  free_memory_report free_memory() const {
+    std::lock_guard guard(lock_);
+    free_memory_report r;
+    arena_.for_each_block([&](const block_type& b) {
+      if (!b.free) return;
+      const std::size_t whole = whole_handles_of(const_cast<block_type&>(b)).size;
+      r.whole_handles += whole;
+      r.partial_handles += b.size - whole;
+    });
+    r.small_pool = small_.stats_unlocked().reserved_bytes - small_.stats_unlocked().allocated_bytes;
+    return r;
+  }
+
   /// Physical bytes held now (what stats().reserved_bytes says, without copying the rest).
   std::size_t reserved_bytes() const {
     std::lock_guard guard(lock_);
