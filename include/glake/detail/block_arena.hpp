@@ -102,15 +102,7 @@ class block_arena {
 
   /// Adds a segment as one free block; returns it.
   block_type* add_segment(Segment* segment, std::uintptr_t base, std::size_t size, stream_ref stream) {
-    block_type* b = nodes_.create();
-    b->address = base;
-    b->size = size;
-    b->segment = segment;
-    b->stream = stream;
-    by_address_.insert(*b);
-    free_.insert(*b);
-    free_bytes_ += size;
-    return b;
+    return new_free_block(segment, base, size, stream);
   }
 
   /// The segment ending at `old_end` grew by `bytes` in place: the new range joins its last block
@@ -125,15 +117,7 @@ class block_arena {
       free_bytes_ += bytes;
       return last;
     }
-    block_type* b = nodes_.create();
-    b->address = old_end;
-    b->size = bytes;
-    b->segment = segment;
-    b->stream = stream;
-    by_address_.insert(*b);
-    free_.insert(*b);
-    free_bytes_ += bytes;
-    return b;
+    return new_free_block(segment, old_end, bytes, stream);
   }
 
   /// Removes a free block that spans its whole segment (the segment is going away).
@@ -279,6 +263,19 @@ class block_arena {
   }
 
  private:
+  // A new free block, indexed by address and by size. Needs one node.
+  block_type* new_free_block(Segment* segment, std::uintptr_t address, std::size_t size, stream_ref stream) {
+    block_type* b = nodes_.create();
+    b->address = address;
+    b->size = size;
+    b->segment = segment;
+    b->stream = stream;
+    by_address_.insert(*b);
+    free_.insert(*b);
+    free_bytes_ += size;
+    return b;
+  }
+
   void erase_free(block_type* b) noexcept {
     free_.erase(free_.iterator_to(*b));
     free_bytes_ -= b->size;
