@@ -1,7 +1,8 @@
 # Configures, builds and runs the consumer project in this directory against glake.
 #   cmake -DMODE=find_package|add_subdirectory|fetchcontent -DGLAKE_SOURCE_DIR=... \
 #         -DGLAKE_BINARY_DIR=... -DWORK_DIR=... [-DCONFIG=...] [-DGENERATOR=...] \
-#         [-DMAKE_PROGRAM=...] [-DCXX_COMPILER=...] [-DBOOST_DIR=...] [-DEXPECT_CHECKED=0|1] -P run.cmake
+#         [-DMAKE_PROGRAM=...] [-DCXX_COMPILER=...] [-DBOOST_DIR=...] [-DEXPECT_CHECKED=0|1] \
+#         [-DEXPECT_CUDA=0|1] -P run.cmake
 # find_package installs GLAKE_BINARY_DIR into WORK_DIR/prefix first and checks that the consumer
 # found glake there (not in the build tree or a package registry).
 cmake_minimum_required(VERSION 3.25)
@@ -75,6 +76,13 @@ run_step("build" "${CMAKE_COMMAND}" --build "${build}" ${config_args})
 set(exe "${build}/glake_consumer${CMAKE_EXECUTABLE_SUFFIX}")
 if(CONFIG AND NOT EXISTS "${exe}")
   set(exe "${build}/${CONFIG}/glake_consumer${CMAKE_EXECUTABLE_SUFFIX}")
+endif()
+# glake::cuda must reach consumers of a build that has it (compiled and linked, not run).
+if(EXPECT_CUDA)
+  get_filename_component(exe_dir "${exe}" DIRECTORY)
+  if(NOT EXISTS "${exe_dir}/glake_cuda_consumer${CMAKE_EXECUTABLE_SUFFIX}")
+    message(FATAL_ERROR "[package.${MODE}] glake::cuda was not available to the consumer")
+  endif()
 endif()
 run_step("run" "${exe}")
 message(STATUS "[package.${MODE}] ${step_output}")
