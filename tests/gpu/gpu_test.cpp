@@ -238,3 +238,44 @@ TEST_CASE("gpu: a block still used by a kernel on another stream is not reused u
   cudaStreamDestroy(a);
   cudaStreamDestroy(b);
 }
+
+TEST_CASE("gpu: a peer named to the reserver reads and writes a stitched block of another device") {
+  int devices = 0;
+  REQUIRE(cudaGetDeviceCount(&devices) == cudaSuccess);
+  if (devices < 2) {
+    MESSAGE("needs two GPUs (this machine has " << devices << "): nothing checked");
+    return;
+  }
+  int can_access = 0;
+  REQUIRE(cudaDeviceCanAccessPeer(&can_access, 1, 0) == cudaSuccess);
+  if (can_access == 0) {
+    MESSAGE("device 1 cannot access device 0's memory: nothing checked");
+    return;
+  }
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  REQUIRE(cudaFree(nullptr) == cudaSuccess);
+  cuda_stitching allocator(cuda_provider(0), cuda_reserver(0, {1}), stitch_everything());
+  void* a = allocator.allocate(32 * M);
+  void* b = allocator.allocate(32 * M);
+  void* c = allocator.allocate(32 * M);
+  allocator.deallocate(a, 32 * M);
+  allocator.deallocate(c, 32 * M);
+  void* stitched = allocator.allocate(64 * M);
+  REQUIRE(allocator.stats().stitches == 1);
+
+  // Written by a kernel on device 1 through the stitched range, read back on device 0.
+  REQUIRE(cudaSetDevice(1) == cudaSuccess);
+  REQUIRE(gpu_test::fill(stitched, 64 * M, 4242) == cudaSuccess);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  CHECK(mismatches(stitched, 64 * M, 4242) == 0);
+  // And the other way: written on device 0, counted by a kernel on device 1.
+  REQUIRE(gpu_test::fill(b, 32 * M, 77) == cudaSuccess);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  REQUIRE(cudaSetDevice(1) == cudaSuccess);
+  CHECK(mismatches(b, 32 * M, 77) == 0);
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  allocator.deallocate(stitched, 64 * M);
+  allocator.deallocate(b, 32 * M);
+  allocator.verify();
+}
