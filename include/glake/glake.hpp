@@ -1,6 +1,7 @@
 // Everything glake offers that runs without a GPU, in one include.
 #pragma once
 
+#include "glake/adaptors/pluggable_allocator.hpp"
 #include "glake/adaptors/pmr_resource.hpp"
 #include "glake/allocators/caching_allocator.hpp"
 #include "glake/allocators/segment_source.hpp"

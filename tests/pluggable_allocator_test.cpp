@@ -1,0 +1,322 @@
+// pluggable_allocator: the C-interface adaptor (PyTorch's plug-in) over simulated devices: errors
+// stay inside, per-device scopes, statistics, peak resets and traces that stay consistent when
+// several threads allocate and free at once. The C library itself is tested in adaptors/torch/tests.
+#include <doctest/doctest.h>
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <new>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "glake/adaptors/pluggable_allocator.hpp"
+#include "glake/allocators/stitching_allocator.hpp"
+#include "glake/backends/sim.hpp"
+
+using namespace glake;
+
+namespace {
+
+using sim_stitching = stitching_allocator<sim_provider, sim_reserver, best_fit_tail_stitching, lru_eviction, mutex_lock>;
+
+// Devices that outlive the adaptor using them.
+struct sim_devices {
+  std::vector<std::unique_ptr<sim_device>> devices;
+  config settings;
+  std::function<std::unique_ptr<sim_stitching>(int)> factory() {
+    return [this](int) {
+      devices.push_back(std::make_unique<sim_device>(16 * GiB));
+      return std::make_unique<sim_stitching>(sim_provider{*devices.back()}, sim_reserver{*devices.back()}, settings);
+    };
+  }
+};
+
+// Records the device of every scope opened.
+thread_local std::vector<int>* scopes_seen = nullptr;
+struct recording_scope {
+  explicit recording_scope(int device) noexcept {
+    if (scopes_seen != nullptr) scopes_seen->push_back(device);
+  }
+};
+
+std::vector<std::string> lines_of(std::FILE* f) {
+  std::fflush(f);
+  std::rewind(f);
+  std::vector<std::string> lines;
+  char buffer[1024];
+  while (std::fgets(buffer, sizeof buffer, f) != nullptr) {
+    std::string line(buffer);
+    if (!line.empty() && line.back() == '\n') line.pop_back();
+    lines.push_back(line);
+  }
+  return lines;
+}
+
+struct temp_dir {
+  std::string path;
+  temp_dir() {
+    char name[] = "/tmp/glake-pluggable-XXXXXX";
+    REQUIRE(::mkdtemp(name) != nullptr);
+    path = name;
+  }
+  ~temp_dir() {
+    for (const char* file : {"/trace", "/trace.dev1", "/t-3.trace", "/t-0.trace"}) std::remove((path + file).c_str());
+    ::rmdir(path.c_str());
+  }
+};
+
+std::vector<std::string> read_lines(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+std::map<std::string_view, std::uint64_t> named(const std::vector<std::uint64_t>& values) {
+  std::map<std::string_view, std::uint64_t> out;
+  for (std::size_t i = 0; i < pluggable_stat_names.size(); ++i) out[pluggable_stat_names[i]] = values[i];
+  return out;
+}
+
+// Options that log to `log` (null: nowhere) and record traces to `trace_pattern` (empty: none).
+template <class Plugin>
+typename Plugin::options options_for(std::FILE* log, std::string trace_pattern = {}) {
+  typename Plugin::options o;
+  o.log = log;
+  o.trace_pattern = std::move(trace_pattern);
+  o.pid = 1;
+  o.header = {"settings: test"};
+  return o;
+}
+
+template <class Plugin>
+std::map<std::string_view, std::uint64_t> stats_of(Plugin& plugin, int device) {
+  std::vector<std::uint64_t> values(pluggable_stat_names.size() + 2, 99);
+  REQUIRE(plugin.stats(device, values.data(), values.size()) == pluggable_stat_names.size());
+  CHECK(values[pluggable_stat_names.size()] == 99);  // never writes past the names
+  return named(values);
+}
+
+}  // namespace
+
+TEST_CASE("pluggable_allocator: out of memory is null with one line, or rethrown; the allocator still serves") {
+  sim_devices sim;
+  sim.settings.memory_limit = 64 * MiB;
+  std::FILE* log = std::tmpfile();
+  REQUIRE(log != nullptr);
+  using plugin_type = pluggable_allocator<sim_stitching>;
+  plugin_type plugin(sim.factory(), options_for<plugin_type>(log));
+
+  void* p = plugin.allocate(32 * MiB, 0, stream_ref{7});
+  REQUIRE(p != nullptr);
+  CHECK(plugin.allocate(128 * MiB, 0, stream_ref{7}) == nullptr);
+  CHECK_THROWS_AS((void)plugin.allocate_or_throw(128 * MiB, 0, stream_ref{7}), out_of_memory);
+  CHECK(plugin.allocate(0, 0, default_stream) == nullptr);  // silently
+  CHECK(plugin.allocate(MiB, 64, default_stream) == nullptr);  // device id out of range
+  CHECK_THROWS_AS((void)plugin.allocate_or_throw(MiB, -1, default_stream), usage_error);
+
+  const auto lines = lines_of(log);
+  REQUIRE(lines.size() == 4);
+  CHECK(lines[0].find("glake: allocating 134217728 bytes on device 0, stream 0x7 failed:") == 0);
+  CHECK(lines[0].find("out of memory") != std::string::npos);
+  CHECK(lines[1] == lines[0]);
+  CHECK(lines[2].find("device 64") != std::string::npos);
+  CHECK(lines[3].find("device -1") != std::string::npos);
+
+  const auto s = stats_of(plugin, 0);
+  CHECK(s.at("failed_allocations") == 2);
+  CHECK(s.at("errors") == 0);  // failed allocations are answered, not swallowed
+  void* q = plugin.allocate(16 * MiB, 0, stream_ref{7});
+  CHECK(q != nullptr);
+  plugin.deallocate(q, 16 * MiB, 0, stream_ref{7});
+  plugin.deallocate(p, 32 * MiB, 0, stream_ref{7});
+  CHECK(stats_of(plugin, 0).at("active_bytes") == 0);
+  std::fclose(log);
+}
+
+TEST_CASE("pluggable_allocator: bad frees and record_streams are logged and counted, and change nothing") {
+  sim_devices sim;
+  std::FILE* log = std::tmpfile();
+  using plugin_type = pluggable_allocator<sim_stitching>;
+  plugin_type plugin(sim.factory(), options_for<plugin_type>(log));
+  void* p = plugin.allocate(3 * MiB, 1, default_stream);
+  REQUIRE(p != nullptr);
+  int local = 0;
+  plugin.deallocate(&local, 4, 1, default_stream);       // never allocated
+  plugin.deallocate(p, 5 * MiB, 1, default_stream);      // wrong size
+  plugin.deallocate(p, 3 * MiB, 2, default_stream);      // a device without an allocator
+  plugin.deallocate(p, 3 * MiB, 99, default_stream);     // a device id out of range
+  plugin.record_stream(&local, stream_ref{3});           // not live anywhere
+  plugin.deallocate(nullptr, 0, 1, default_stream);      // nothing at all
+  CHECK(plugin.errors() == 5);
+  CHECK(lines_of(log).size() == 5);
+  CHECK(stats_of(plugin, 1).at("active_bytes") == 3 * MiB);
+  CHECK(stats_of(plugin, 1).at("errors") == 5);
+  plugin.record_stream(p, stream_ref{3});  // live: accepted (the sim backend needs no events)
+  plugin.deallocate(p, 3 * MiB, 1, default_stream);
+  CHECK(plugin.errors() == 5);
+  CHECK(stats_of(plugin, 1).at("active_bytes") == 0);
+  std::fclose(log);
+}
+
+TEST_CASE("pluggable_allocator: each call runs inside a scope for its device") {
+  sim_devices sim;
+  using plugin_type = pluggable_allocator<sim_stitching, recording_scope>;
+  plugin_type plugin(sim.factory(), options_for<plugin_type>(nullptr));
+  std::vector<int> seen;
+  scopes_seen = &seen;
+  void* a = plugin.allocate(MiB, 2, default_stream);
+  void* b = plugin.allocate(4 * MiB, 3, default_stream);
+  plugin.deallocate(a, MiB, 2, default_stream);
+  // After a's free: simulated devices hand out the same addresses, so a live `a` would be found
+  // by device 2 first (CUDA devices share one address space; simulated ones do not).
+  plugin.record_stream(b, stream_ref{5});
+  plugin.deallocate(b, 4 * MiB, 3, default_stream);
+  plugin.release_cached(-1);
+  plugin.reset_peak(3);
+  std::vector<std::uint64_t> values(pluggable_stat_names.size());
+  plugin.stats(3, values.data(), values.size());
+  scopes_seen = nullptr;
+  std::string text;
+  for (int d : seen) text += std::to_string(d);
+  CHECK(text == "232332333");
+}
+
+TEST_CASE("pluggable_allocator: statistics in the order of the names; resettable peaks; release_cached") {
+  sim_devices sim;
+  using plugin_type = pluggable_allocator<sim_stitching>;
+  plugin_type plugin(sim.factory(), options_for<plugin_type>(nullptr));
+  auto s = stats_of(plugin, 5);  // no allocator yet: zeros
+  for (const auto& [name, value] : s) CHECK_MESSAGE(value == 0, name);
+  CHECK(plugin.find(5) == nullptr);
+
+  void* a = plugin.allocate(10 * MiB, 5, default_stream);
+  void* b = plugin.allocate(6 * MiB + 100, 5, default_stream);
+  plugin.deallocate(a, 10 * MiB, 5, default_stream);
+  s = stats_of(plugin, 5);
+  const statistics direct = plugin.find(5)->stats();
+  CHECK(s.at("active_bytes") == direct.active_bytes);
+  CHECK(s.at("peak_active_bytes") == 16 * MiB + 100);
+  CHECK(s.at("allocated_bytes") == direct.allocated_bytes);
+  CHECK(s.at("reserved_bytes") == 18 * MiB);
+  CHECK(s.at("peak_reserved_bytes") == 18 * MiB);
+  CHECK(s.at("allocations") == 2);
+  CHECK(s.at("deallocations") == 1);
+  CHECK(s.at("segments_created") == direct.segments_created);
+  CHECK(s.at("driver_create") == direct.driver_calls[driver_call::create]);
+  CHECK(s.at("driver_map") == direct.driver_calls[driver_call::map]);
+  CHECK(s.at("driver_set_access") == direct.driver_calls[driver_call::set_access]);
+  CHECK(s.at("lifetime_peak_reserved_bytes") == 18 * MiB);
+
+  plugin.release_cached(5);
+  CHECK(stats_of(plugin, 5).at("reserved_bytes") == 8 * MiB);
+  plugin.reset_peak(-1);
+  s = stats_of(plugin, 5);
+  CHECK(s.at("peak_active_bytes") == 6 * MiB + 100);
+  CHECK(s.at("peak_reserved_bytes") == 8 * MiB);
+  void* c = plugin.allocate(4 * MiB, 5, default_stream);
+  plugin.deallocate(c, 4 * MiB, 5, default_stream);
+  s = stats_of(plugin, 5);
+  CHECK(s.at("peak_active_bytes") == 10 * MiB + 100);
+  CHECK(s.at("peak_reserved_bytes") == 12 * MiB);
+  CHECK(s.at("lifetime_peak_active_bytes") == 16 * MiB + 100);
+  plugin.deallocate(b, 6 * MiB + 100, 5, default_stream);
+
+  std::uint64_t one = 7;
+  CHECK(plugin.stats(64, &one, 1) == 0);  // out of range
+  CHECK(one == 7);
+}
+
+TEST_CASE("pluggable_allocator: trace file names") {
+  CHECK(trace_file_name("/t/run.trace", 0, 42, "") == "/t/run.trace");
+  CHECK(trace_file_name("/t/run.trace", 1, 42, "") == "/t/run.dev1.trace");
+  CHECK(trace_file_name("/t/run", 3, 42, "") == "/t/run.dev3");
+  CHECK(trace_file_name("/t/run-%d.trace", 3, 42, "") == "/t/run-3.trace");
+  CHECK(trace_file_name("/t/r%r-d%d-p%p.trace", 1, 42, "5") == "/t/r5-d1-p42.trace");
+  CHECK(trace_file_name("/t/r%r.trace", 0, 42, "") == "/t/r0.trace");
+  CHECK(trace_file_name("/t/100%%-%x.trace", 0, 42, "") == "/t/100%-%x.trace");
+}
+
+TEST_CASE("pluggable_allocator: the trace of several threads is one consistent request stream") {
+  temp_dir dir;
+  sim_devices sim;
+  using plugin_type = pluggable_allocator<sim_stitching>;
+  plugin_type plugin(sim.factory(), options_for<plugin_type>(nullptr, dir.path + "/trace"));
+
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&plugin, t] {
+      const stream_ref stream{static_cast<std::uintptr_t>(t == 0 ? 0 : 0x100 * t)};
+      std::vector<std::pair<void*, std::size_t>> live;
+      std::uint64_t x = 12345 + t;
+      for (int i = 0; i < 1500; ++i) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        if (!live.empty() && (x >> 60) < 8) {
+          const auto [p, n] = live[(x >> 20) % live.size()];
+          live.erase(live.begin() + static_cast<std::ptrdiff_t>((x >> 20) % live.size()));
+          plugin.deallocate(p, n, 0, stream);
+        } else {
+          const std::size_t n = (x >> 40) % 2 == 0 ? 512 + (x >> 44) % (2 * MiB) : MiB + (x >> 36) % (24 * MiB);
+          void* p = plugin.allocate(n, 0, stream);
+          CHECK(p != nullptr);
+          if (p != nullptr) live.emplace_back(p, n);
+        }
+      }
+      for (const auto& [p, n] : live) plugin.deallocate(p, n, 0, stream);
+    });
+  }
+  for (auto& th : threads) th.join();
+  void* other = plugin.allocate(MiB, 1, default_stream);  // device 1: a file of its own
+  plugin.deallocate(other, MiB, 1, default_stream);
+  plugin.release_cached(-1);
+  plugin.flush_traces();
+
+  const auto lines = read_lines(dir.path + "/trace");
+  REQUIRE(lines.size() > 3);
+  CHECK(lines[0] == "# glake trace of device 0, process 1");
+  CHECK(lines[1] == "# settings: test");
+  std::map<std::uint64_t, bool> live;  // id -> freed
+  std::set<std::string> streams;
+  std::uint64_t allocations = 0, frees = 0;
+  long long reserved = 0, peak = 0;
+  for (const auto& line : lines) {
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream in(line);
+    std::vector<std::string> f;
+    for (std::string field; std::getline(in, field, ',');) f.push_back(field);
+    if (f[0] == "a") {
+      REQUIRE(f.size() == 4);
+      CHECK(live.emplace(std::stoull(f[1]), false).second);  // ids never reused
+      streams.insert(f[3]);
+      ++allocations;
+    } else if (f[0] == "f") {
+      REQUIRE(f.size() == 2);
+      const auto it = live.find(std::stoull(f[1]));
+      REQUIRE_MESSAGE(it != live.end(), line);  // a free never precedes its allocation
+      CHECK_FALSE(it->second);                  // nor comes twice
+      it->second = true;
+      ++frees;
+    } else {
+      REQUIRE((f[0] == "S" || f[0] == "U"));
+      reserved += (f[0] == "S" ? 1 : -1) * std::stoll(f[1]);
+      CHECK(reserved >= 0);
+      peak = std::max(peak, reserved);
+    }
+  }
+  const statistics s = plugin.find(0)->stats();
+  CHECK(allocations == s.allocations);
+  CHECK(frees == s.deallocations);
+  CHECK(streams == std::set<std::string>{"0", "1", "2", "3"});
+  CHECK(peak == static_cast<long long>(s.peak_reserved_bytes));
+  CHECK(reserved == static_cast<long long>(s.reserved_bytes));
+  CHECK(reserved == 0);
+  CHECK(read_lines(dir.path + "/trace.dev1").size() == 2 + 4);  // two header lines, S, a, f, U
+}
