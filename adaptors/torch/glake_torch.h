@@ -1,0 +1,75 @@
+/* The C interface of libglake_torch.so, glake's stitching allocator for PyTorch's
+ * CUDAPluggableAllocator (one allocator per device; settings from GLAKE_ALLOC_CONF and GMLake's
+ * variables; see adaptors/torch/README.md). Streams are CUDA streams (cudaStream_t and CUstream
+ * are both `struct CUstream_st*`). Every function may be called from any thread. Except
+ * glake_torch_malloc, none lets an error escape: failures are written to stderr, one line each. */
+#ifndef GLAKE_TORCH_H
+#define GLAKE_TORCH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__GNUC__)
+#define GLAKE_TORCH_API __attribute__((visibility("default")))
+#else
+#define GLAKE_TORCH_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct CUstream_st;
+
+/* PyTorch's alloc_fn: `size` bytes on `device`, used on `stream`; null on any failure (out of
+ * memory, a driver error, bad settings), after one line on stderr. Zero bytes give null. */
+GLAKE_TORCH_API void* glake_malloc(size_t size, int device, struct CUstream_st* stream);
+
+/* As glake_malloc, but a failure is thrown as a C++ exception after it is logged: glake's
+ * out_of_memory (a std::bad_alloc whose message says "out of memory") or the error that stopped
+ * it. For PyTorch, which does not check alloc_fn's result for null but turns an exception thrown
+ * by it into a Python RuntimeError. Never call it from C or through ctypes. */
+GLAKE_TORCH_API void* glake_torch_malloc(size_t size, int device, struct CUstream_st* stream);
+
+/* PyTorch's free_fn: returns `ptr`, allocated with `size` on `device` and `stream`. Null is
+ * ignored; a pointer that is not live there is reported and counted (stat "errors"), not freed. */
+GLAKE_TORCH_API void glake_free(void* ptr, size_t size, int device, struct CUstream_st* stream);
+
+/* PyTorch's record_stream hook: `ptr` is also used by work queued on `stream`; its memory is
+ * reused only once that work has completed. */
+GLAKE_TORCH_API void glake_record_stream(void* ptr, struct CUstream_st* stream);
+
+/* Releases cached memory (unmaps cached stitched ranges, returns fully free segments) on `device`,
+ * or on every device when `device` is negative. */
+GLAKE_TORCH_API void glake_empty_cache(int device);
+
+/* glake_empty_cache(-1), with the signature of PyTorch's reset hook (set_reset_fn), which
+ * torch.cuda.empty_cache() calls. */
+GLAKE_TORCH_API void glake_empty_cache_all(void);
+
+/* Peaks are measured from now on (on `device`, or every device when negative). */
+GLAKE_TORCH_API void glake_reset_peak(int device);
+
+/* Writes up to `capacity` statistics of `device` into `values`, in the order glake_stats_names
+ * gives, and returns how many there are (0 for a device id out of range). A device without an
+ * allocator yet reads as zeros. */
+GLAKE_TORCH_API size_t glake_stats(int device, uint64_t* values, size_t capacity);
+
+/* The names of glake_stats' values, separated by commas. */
+GLAKE_TORCH_API const char* glake_stats_names(void);
+
+/* The settings a device's allocator is made with if made now, as "key:value,..." (0), or why the
+ * environment's settings are invalid (-1); written into `buffer` (truncated to `size`). */
+GLAKE_TORCH_API int glake_settings(char* buffer, size_t size);
+
+/* "cuda", or "simulated" for the test build over the simulated backend. */
+GLAKE_TORCH_API const char* glake_backend(void);
+
+/* Writes out buffered trace lines (GLAKE_TRACE); exit() does it as well. */
+GLAKE_TORCH_API void glake_flush_traces(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* GLAKE_TORCH_H */

@@ -1,0 +1,271 @@
+"""glake's stitching allocator as PyTorch's CUDA allocator.
+
+    import glake_torch                     # PYTHONPATH=<glake>/adaptors/torch
+    glake_torch.enable()                   # first thing: before anything touches CUDA
+    ...                                    # train as usual
+    glake_torch.stats()                    # {'peak_active_bytes': ..., 'peak_reserved_bytes': ..., ...}
+    torch.cuda.empty_cache()               # releases glake's cached memory (reset hook)
+
+enable() loads libglake_torch.so (the argument `library`, else $GLAKE_TORCH_LIBRARY, else the
+build tree: build/torch/ from bench/torch/build_plugin.sh, or build*/**/adaptors/torch/ from CMake)
+through torch.cuda.memory.CUDAPluggableAllocator and makes it the current allocator. Settings come
+from GLAKE_ALLOC_CONF ("frag_limit:2MiB,grow_stitch:true", see the README) and GMLake's variables,
+over the plug-in's defaults (glake-replay's "glake" composition); `conf` sets GLAKE_ALLOC_CONF.
+GLAKE_TRACE=<path> (or `trace`) records every request for glake-replay (%d: device, %p: pid, %r: rank).
+
+PyTorch's memory statistics (torch.cuda.max_memory_allocated and friends) do not work with a
+pluggable allocator; stats() gives glake's own. Hooks: PyTorch's reset hook (set_reset_fn, which
+torch.cuda.empty_cache() calls) and record_stream hook are set through the allocator object's
+Python bindings where this PyTorch has them; without set_reset_fn, torch.cuda.empty_cache is
+wrapped instead (hooks() says which). Out of memory raises a RuntimeError whose message contains
+"out of memory" (PyTorch does not turn a null from a pluggable allocator into an error, so the
+plug-in's alloc function used here throws; see adaptors/torch/README.md).
+
+Nothing here needs torch except enable(); stats(), empty_cache() and reset_peak_stats() work on
+the library alone (load()).
+"""
+
+import atexit
+import ctypes
+import glob
+import os
+import sys
+
+__all__ = [
+    "enable",
+    "enabled",
+    "load",
+    "library_path",
+    "settings",
+    "stats",
+    "empty_cache",
+    "reset_peak_stats",
+    "hooks",
+]
+
+LIBRARY_NAME = "libglake_torch.so"
+ALLOC_FN = "glake_torch_malloc"
+FREE_FN = "glake_free"
+
+# adaptors/torch/glake_torch/__init__.py -> the repository root
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+_lib = None
+_lib_path = None
+_names = None
+_allocator = None  # the torch allocator object, kept alive for the life of the process
+_hooks = {}
+
+
+def _build_tree_candidates(root):
+    """Where a build leaves the library, newest first within each kind."""
+
+    def newest_first(paths):
+        return sorted(paths, key=os.path.getmtime, reverse=True)
+
+    yield os.path.join(root, "build", "torch", LIBRARY_NAME)  # bench/torch/build_plugin.sh
+    yield from newest_first(glob.glob(os.path.join(root, "build", "*", "adaptors", "torch", LIBRARY_NAME)))
+    yield from newest_first(glob.glob(os.path.join(root, "build*", "adaptors", "torch", LIBRARY_NAME)))
+
+
+def library_path(library=None, root=None):
+    """The plug-in to load: `library`, else $GLAKE_TORCH_LIBRARY, else the newest one in the build
+    tree under `root` (the repository). Raises FileNotFoundError saying where it looked."""
+    for given, origin in ((library, "the library argument"), (os.environ.get("GLAKE_TORCH_LIBRARY"), "GLAKE_TORCH_LIBRARY")):
+        if given:
+            if not os.path.isfile(given):
+                raise FileNotFoundError(f"glake_torch: {origin} names {given!r}, which is not a file")
+            return os.path.abspath(given)
+    root = _ROOT if root is None else root
+    looked = []
+    for candidate in _build_tree_candidates(root):
+        if os.path.isfile(candidate):
+            return os.path.abspath(candidate)
+        looked.append(candidate)
+    raise FileNotFoundError(
+        f"glake_torch: no {LIBRARY_NAME} found (looked for {', '.join(looked) or 'build trees under ' + root}); "
+        "build it (bench/torch/build_plugin.sh, or CMake with the CUDA toolkit), or pass library= "
+        "or set GLAKE_TORCH_LIBRARY"
+    )
+
+
+def load(library=None):
+    """Loads the plug-in (once per process) and returns the ctypes library."""
+    global _lib, _lib_path, _names
+    if _lib is not None:
+        if library and os.path.realpath(library) != os.path.realpath(_lib_path):
+            raise RuntimeError(f"glake_torch: already loaded from {_lib_path}, cannot switch to {library}")
+        return _lib
+    path = library_path(library)
+    lib = ctypes.CDLL(path)
+    lib.glake_malloc.restype = ctypes.c_void_p
+    lib.glake_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.glake_free.restype = None
+    lib.glake_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.glake_record_stream.restype = None
+    lib.glake_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.glake_empty_cache.restype = None
+    lib.glake_empty_cache.argtypes = [ctypes.c_int]
+    lib.glake_empty_cache_all.restype = None
+    lib.glake_empty_cache_all.argtypes = []
+    lib.glake_reset_peak.restype = None
+    lib.glake_reset_peak.argtypes = [ctypes.c_int]
+    lib.glake_stats.restype = ctypes.c_size_t
+    lib.glake_stats.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+    lib.glake_stats_names.restype = ctypes.c_char_p
+    lib.glake_stats_names.argtypes = []
+    lib.glake_settings.restype = ctypes.c_int
+    lib.glake_settings.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    lib.glake_backend.restype = ctypes.c_char_p
+    lib.glake_backend.argtypes = []
+    lib.glake_flush_traces.restype = None
+    lib.glake_flush_traces.argtypes = []
+    _names = lib.glake_stats_names().decode().split(",")
+    _lib, _lib_path = lib, path
+    atexit.register(lib.glake_flush_traces)
+    return lib
+
+
+def settings():
+    """The settings a device's allocator is made with if made now ("key:value,..."). Raises
+    ValueError naming the setting and the variable when the environment's are invalid."""
+    lib = load()
+    buffer = ctypes.create_string_buffer(1024)
+    status = lib.glake_settings(buffer, len(buffer))
+    text = buffer.value.decode(errors="replace")
+    if status != 0:
+        raise ValueError(f"glake_torch: {text}")
+    return text
+
+
+def enabled():
+    """True once enable() made glake PyTorch's CUDA allocator in this process."""
+    return _allocator is not None
+
+
+def hooks():
+    """How PyTorch's hooks were installed: {'empty_cache': ..., 'record_stream': ...}."""
+    return dict(_hooks)
+
+
+def enable(conf=None, library=None, trace=None):
+    """Makes glake PyTorch's CUDA allocator. Call it before anything touches CUDA (before the first
+    tensor on the GPU, torch.cuda.set_device, init_process_group with NCCL, ...).
+
+    conf:    GLAKE_ALLOC_CONF to use ("key:value,..."); None keeps the environment's.
+    library: path of libglake_torch.so; None searches (see library_path).
+    trace:   GLAKE_TRACE pattern; None keeps the environment's.
+
+    Raises ValueError for invalid settings and RuntimeError when CUDA is already initialised, both
+    before anything is switched. Calling it again once enabled does nothing."""
+    global _allocator
+    if _allocator is not None:
+        return
+    if conf is not None:
+        os.environ["GLAKE_ALLOC_CONF"] = conf
+    if trace is not None:
+        os.environ["GLAKE_TRACE"] = trace
+    lib = load(library)
+    settings()  # invalid settings fail here, not at the first allocation
+
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "glake_torch.enable() must run before CUDA is initialised, and it already is (a tensor "
+            "was put on the GPU, or torch.cuda.set_device/init/current_device or NCCL ran): PyTorch "
+            "can only switch allocators before its own was used. Call enable() first thing in the "
+            "process."
+        )
+    allocator = torch.cuda.memory.CUDAPluggableAllocator(_lib_path, ALLOC_FN, FREE_FN)
+    installed = _install_hooks(torch, allocator, lib)
+    try:
+        torch.cuda.memory.change_current_allocator(allocator)
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"glake_torch.enable(): PyTorch refused to switch to glake ({error}); its own CUDA "
+            "allocator was already used. Call enable() first thing in the process."
+        ) from error
+    _allocator = allocator
+    _hooks.clear()
+    _hooks.update(installed)
+
+
+def _function_pointer(lib, name):
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+
+def _install_hooks(torch, allocator, lib):
+    raw = allocator.allocator()
+    installed = {}
+    if hasattr(raw, "set_reset_fn"):
+        raw.set_reset_fn(_function_pointer(lib, "glake_empty_cache_all"))
+        installed["empty_cache"] = "set_reset_fn"
+    else:
+        original = torch.cuda.empty_cache
+
+        def empty_cache():
+            original()
+            lib.glake_empty_cache(-1)
+
+        empty_cache.__doc__ = original.__doc__
+        torch.cuda.empty_cache = empty_cache
+        torch.cuda.memory.empty_cache = empty_cache
+        installed["empty_cache"] = "wrapped torch.cuda.empty_cache (no set_reset_fn in this PyTorch)"
+    if hasattr(raw, "set_record_stream_fn"):
+        raw.set_record_stream_fn(_function_pointer(lib, "glake_record_stream"))
+        installed["record_stream"] = "set_record_stream_fn"
+    else:
+        installed["record_stream"] = "not installed (no set_record_stream_fn in this PyTorch)"
+    return installed
+
+
+def _device_index(device):
+    if device is None:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            return torch.cuda.current_device()
+        return 0
+    if isinstance(device, int):
+        return device
+    if not isinstance(device, str):  # torch.device
+        if getattr(device, "type", "cuda") != "cuda":
+            raise ValueError(f"glake_torch: {device!r} is not a CUDA device")
+        index = getattr(device, "index", None)
+        return _device_index(None) if index is None else index
+    text = device
+    if text.startswith("cuda:"):
+        return int(text[len("cuda:"):])
+    if text == "cuda":
+        return _device_index(None)
+    raise ValueError(f"glake_torch: {device!r} is not a CUDA device")
+
+
+def stats(device=None):
+    """glake's statistics of `device` (default: the current one) as a dict: the allocator's
+    counters (active_bytes, peak_active_bytes = requested bytes; reserved_bytes, peak_reserved_bytes
+    = physical bytes held; stitches, segments, driver calls by kind, failed_allocations = out of
+    memory), lifetime peaks, "errors" (swallowed failures), plus "driver_calls" (all kinds) and
+    "utilization" (peak active / peak reserved)."""
+    lib = load()
+    index = _device_index(device)
+    values = (ctypes.c_uint64 * len(_names))()
+    count = lib.glake_stats(index, values, len(_names))
+    if count == 0:
+        raise ValueError(f"glake_torch: device {device!r} is out of range")
+    result = dict(zip(_names, values[: min(count, len(_names))]))
+    result["driver_calls"] = sum(v for k, v in result.items() if k.startswith("driver_"))
+    reserved = result["peak_reserved_bytes"]
+    result["utilization"] = result["peak_active_bytes"] / reserved if reserved else 0.0
+    result["device"] = index
+    return result
+
+
+def empty_cache(device=None):
+    """Releases glake's cached memory on `device`, or on every device when None."""
+    load().glake_empty_cache(-1 if device is None else _device_index(device))
+
+
+def reset_peak_stats(device=None):
+    """Peaks are measured from now on, on `device` or every device when None."""
+    load().glake_reset_peak(-1 if device is None else _device_index(device))

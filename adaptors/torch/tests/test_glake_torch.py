@@ -1,0 +1,410 @@
+"""Tests for the PyTorch plug-in's Python module and C interface, without torch or a GPU.
+
+The C interface is exercised through libglake_torch_sim.so (the plug-in's source built over the
+simulated backend; $GLAKE_TORCH_SIM_LIBRARY, set by CTest); torch is replaced by a fake that does
+what torch.cuda.memory.CUDAPluggableAllocator does with the library (loads it, looks the two
+functions up) and records what enable() asks of it. With $GLAKE_REPLAY (glake-replay), a trace
+recorded by the plug-in is replayed and must give the plug-in's own peaks.
+
+Run: ctest -R torch_plugin.python, or
+     GLAKE_TORCH_SIM_LIBRARY=build/debug/adaptors/torch/libglake_torch_sim.so \
+         python3 -m unittest discover -s adaptors/torch/tests -v
+"""
+
+import contextlib
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import types
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+import glake_torch  # noqa: E402
+
+SIM = os.environ.get("GLAKE_TORCH_SIM_LIBRARY")
+REPLAY = os.environ.get("GLAKE_REPLAY")
+MiB = 1 << 20
+needs_sim = unittest.skipUnless(SIM and os.path.isfile(SIM), "GLAKE_TORCH_SIM_LIBRARY is not set (run through ctest)")
+
+
+@contextlib.contextmanager
+def environment(**values):
+    """Sets (or, for None, removes) environment variables for the block, then restores them."""
+    saved = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def captured_stderr():
+    """What C code writes to file descriptor 2 during the block, as a list of lines."""
+    lines = []
+    sys.stderr.flush()
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        saved = os.dup(2)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            lines.extend(sink.read().decode(errors="replace").splitlines())
+
+
+def fake_torch(initialized=False, hooks=True):
+    """A stand-in for torch with what enable() uses; `seen` records the calls."""
+    seen = {"empty_cache_calls": 0}
+
+    class RawAllocator:
+        pass
+
+    if hooks:
+        RawAllocator.set_reset_fn = lambda self, ptr: seen.__setitem__("reset_fn", ptr)
+        RawAllocator.set_record_stream_fn = lambda self, ptr: seen.__setitem__("record_stream_fn", ptr)
+
+    class CUDAPluggableAllocator:
+        def __init__(self, path, alloc_fn_name, free_fn_name):
+            lib = ctypes.CDLL(path)  # what torch does: the two functions must be there
+            for name in (alloc_fn_name, free_fn_name):
+                if ctypes.cast(getattr(lib, name), ctypes.c_void_p).value is None:
+                    raise AssertionError(name)
+            seen["pluggable"] = (path, alloc_fn_name, free_fn_name)
+            self._raw = RawAllocator()
+
+        def allocator(self):
+            return self._raw
+
+    def change_current_allocator(allocator):
+        seen["current"] = allocator
+
+    def empty_cache():
+        seen["empty_cache_calls"] += 1
+
+    cuda = types.ModuleType("torch.cuda")
+    cuda.is_initialized = lambda: initialized
+    cuda.current_device = lambda: 0
+    cuda.empty_cache = empty_cache
+    cuda.memory = types.SimpleNamespace(
+        CUDAPluggableAllocator=CUDAPluggableAllocator,
+        change_current_allocator=change_current_allocator,
+        empty_cache=empty_cache,
+    )
+    torch = types.ModuleType("torch")
+    torch.cuda = cuda
+    return torch, seen
+
+
+@contextlib.contextmanager
+def torch_replaced_by(torch):
+    saved = sys.modules.get("torch")
+    sys.modules["torch"] = torch
+    try:
+        yield
+    finally:
+        if saved is None:
+            sys.modules.pop("torch", None)
+        else:
+            sys.modules["torch"] = saved
+        glake_torch._allocator = None  # each test enables afresh
+        glake_torch._hooks.clear()
+
+
+class LibraryPath(unittest.TestCase):
+    def test_argument_then_environment_then_build_tree(self):
+        with tempfile.TemporaryDirectory() as root:
+            older = os.path.join(root, "build", "debug", "adaptors", "torch", glake_torch.LIBRARY_NAME)
+            newer = os.path.join(root, "build", "release", "adaptors", "torch", glake_torch.LIBRARY_NAME)
+            given = os.path.join(root, "mine.so")
+            for i, path in enumerate((older, newer, given)):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                open(path, "w").close()
+                os.utime(path, (1000 + i, 1000 + i))
+            with environment(GLAKE_TORCH_LIBRARY=None):
+                self.assertEqual(glake_torch.library_path(root=root), newer)  # the newest build
+                self.assertEqual(glake_torch.library_path(given, root=root), given)
+                script_built = os.path.join(root, "build", "torch", glake_torch.LIBRARY_NAME)
+                os.makedirs(os.path.dirname(script_built))
+                open(script_built, "w").close()
+                self.assertEqual(glake_torch.library_path(root=root), script_built)  # build_plugin.sh's
+            with environment(GLAKE_TORCH_LIBRARY=older):
+                self.assertEqual(glake_torch.library_path(root=root), older)
+                self.assertEqual(glake_torch.library_path(given, root=root), given)  # argument wins
+
+    def test_missing_library_says_where_it_looked(self):
+        with tempfile.TemporaryDirectory() as root, environment(GLAKE_TORCH_LIBRARY=None):
+            with self.assertRaises(FileNotFoundError) as caught:
+                glake_torch.library_path(root=root)
+            self.assertIn(os.path.join(root, "build", "torch"), str(caught.exception))
+            self.assertIn("GLAKE_TORCH_LIBRARY", str(caught.exception))
+            with self.assertRaises(FileNotFoundError) as caught:
+                glake_torch.library_path(os.path.join(root, "nope.so"), root=root)
+            self.assertIn("nope.so", str(caught.exception))
+        with environment(GLAKE_TORCH_LIBRARY="/nonexistent/libglake_torch.so"):
+            with self.assertRaises(FileNotFoundError) as caught:
+                glake_torch.library_path()
+            self.assertIn("GLAKE_TORCH_LIBRARY", str(caught.exception))
+
+
+@needs_sim
+class Enable(unittest.TestCase):
+    def test_installs_glake_and_both_hooks_and_the_reset_hook_releases_cached_memory(self):
+        torch, seen = fake_torch()
+        with torch_replaced_by(torch), environment(GLAKE_ALLOC_CONF=None):
+            glake_torch.enable(conf="reuse_limit:3", library=SIM)
+            self.assertTrue(glake_torch.enabled())
+            self.assertEqual(os.environ["GLAKE_ALLOC_CONF"], "reuse_limit:3")
+            self.assertIn("reuse_limit:3", glake_torch.settings())
+            self.assertEqual(seen["pluggable"], (os.path.abspath(SIM), "glake_torch_malloc", "glake_free"))
+            self.assertIs(seen["current"]._raw, seen["current"].allocator())
+            self.assertEqual(glake_torch.hooks(), {"empty_cache": "set_reset_fn", "record_stream": "set_record_stream_fn"})
+
+            lib = glake_torch.load()
+            self.assertEqual(seen["record_stream_fn"], ctypes.cast(lib.glake_record_stream, ctypes.c_void_p).value)
+            # What PyTorch does on torch.cuda.empty_cache(): call the reset function, no arguments.
+            device = 1
+            blocks = [lib.glake_malloc(8 * MiB, device, None) for _ in range(3)]
+            for p in blocks:
+                lib.glake_free(p, 8 * MiB, device, None)
+            self.assertEqual(glake_torch.stats(device)["reserved_bytes"], 24 * MiB)
+            ctypes.CFUNCTYPE(None)(seen["reset_fn"])()
+            self.assertEqual(glake_torch.stats(device)["reserved_bytes"], 0)
+
+            glake_torch.enable(conf="reuse_limit:4")  # once enabled, nothing changes
+            self.assertEqual(os.environ["GLAKE_ALLOC_CONF"], "reuse_limit:3")
+
+    def test_refuses_once_cuda_is_initialised(self):
+        torch, seen = fake_torch(initialized=True)
+        with torch_replaced_by(torch):
+            with self.assertRaises(RuntimeError) as caught:
+                glake_torch.enable(library=SIM)
+            self.assertIn("before CUDA is initialised", str(caught.exception))
+            self.assertNotIn("current", seen)
+            self.assertFalse(glake_torch.enabled())
+
+    def test_rejects_invalid_settings_before_switching(self):
+        torch, seen = fake_torch()
+        with torch_replaced_by(torch), environment(GLAKE_ALLOC_CONF=None):
+            with self.assertRaises(ValueError) as caught:
+                glake_torch.enable(conf="frag_limit:lots", library=SIM)
+            self.assertIn("frag_limit", str(caught.exception))
+            self.assertNotIn("pluggable", seen)
+            self.assertFalse(glake_torch.enabled())
+
+    def test_without_set_reset_fn_wraps_torch_empty_cache(self):
+        torch, seen = fake_torch(hooks=False)
+        with torch_replaced_by(torch):
+            glake_torch.enable(library=SIM)
+            self.assertIn("wrapped", glake_torch.hooks()["empty_cache"])
+            self.assertIn("not installed", glake_torch.hooks()["record_stream"])
+            lib = glake_torch.load()
+            device = 5
+            p = lib.glake_malloc(4 * MiB, device, None)
+            lib.glake_free(p, 4 * MiB, device, None)
+            self.assertEqual(glake_torch.stats(device)["reserved_bytes"], 4 * MiB)
+            torch.cuda.empty_cache()
+            self.assertEqual(seen["empty_cache_calls"], 1)  # torch's own still runs
+            self.assertEqual(glake_torch.stats(device)["reserved_bytes"], 0)
+
+
+@needs_sim
+class Statistics(unittest.TestCase):
+    def setUp(self):
+        self.lib = glake_torch.load(SIM)
+
+    def test_names_match_the_values(self):
+        names = self.lib.glake_stats_names().decode().split(",")
+        values = (ctypes.c_uint64 * 64)()
+        self.assertEqual(self.lib.glake_stats(0, values, 64), len(names))
+        self.assertEqual(len(set(names)), len(names))
+        self.assertEqual(self.lib.glake_backend(), b"simulated")
+        self.assertEqual(self.lib.glake_stats(64, values, 64), 0)  # device id out of range
+        with self.assertRaises(ValueError):
+            glake_torch.stats(64)
+
+    def test_peaks_counts_and_reset(self):
+        lib, device = self.lib, 2
+        fresh = glake_torch.stats(device)
+        self.assertEqual(fresh["allocations"], 0)
+        self.assertEqual(fresh["utilization"], 0.0)
+        a = lib.glake_malloc(10 * MiB, device, None)
+        b = lib.glake_malloc(6 * MiB + 100, device, None)
+        lib.glake_free(a, 10 * MiB, device, None)
+        s = glake_torch.stats(f"cuda:{device}")
+        self.assertEqual((s["allocations"], s["deallocations"]), (2, 1))
+        self.assertEqual(s["active_bytes"], 6 * MiB + 100)
+        self.assertEqual(s["peak_active_bytes"], 16 * MiB + 100)  # requested bytes, not rounded
+        self.assertEqual(s["peak_reserved_bytes"], 18 * MiB)
+        self.assertAlmostEqual(s["utilization"], (16 * MiB + 100) / (18 * MiB))
+        self.assertGreater(s["driver_create"], 0)
+        self.assertEqual(s["driver_calls"], sum(v for k, v in s.items() if k.startswith("driver_") and k != "driver_calls"))
+
+        glake_torch.empty_cache(device)  # a's segment was fully free: gone
+        s = glake_torch.stats(device)
+        self.assertEqual(s["reserved_bytes"], 8 * MiB)
+        self.assertEqual(s["peak_reserved_bytes"], 18 * MiB)
+
+        glake_torch.reset_peak_stats(device)
+        s = glake_torch.stats(device)
+        self.assertEqual((s["peak_active_bytes"], s["peak_reserved_bytes"]), (6 * MiB + 100, 8 * MiB))
+        self.assertEqual((s["lifetime_peak_active_bytes"], s["lifetime_peak_reserved_bytes"]), (16 * MiB + 100, 18 * MiB))
+        c = lib.glake_malloc(4 * MiB, device, None)
+        lib.glake_free(c, 4 * MiB, device, None)
+        s = glake_torch.stats(device)
+        self.assertEqual((s["peak_active_bytes"], s["peak_reserved_bytes"]), (10 * MiB + 100, 12 * MiB))
+        lib.glake_free(b, 6 * MiB + 100, device, None)
+
+
+@needs_sim
+class ErrorsStayInside(unittest.TestCase):
+    def setUp(self):
+        self.lib = glake_torch.load(SIM)
+
+    def test_bad_frees_are_reported_and_counted(self):
+        lib, device = self.lib, 3
+        p = lib.glake_malloc(3 * MiB, device, None)
+        before = glake_torch.stats(device)["errors"]
+        with captured_stderr() as lines:
+            lib.glake_free(0x1234, 64, device, None)  # never allocated
+            lib.glake_free(p, 5 * MiB, device, None)  # wrong size
+            lib.glake_free(p, 3 * MiB, 40, None)  # a device that has no allocator
+            lib.glake_record_stream(0x1234, 0x77)
+            lib.glake_free(None, 0, device, None)  # null: nothing to say
+        self.assertEqual(len(lines), 4, lines)
+        self.assertTrue(all(line.startswith("glake: ") for line in lines), lines)
+        self.assertIn("did not return", lines[0])
+        self.assertIn("size", lines[1])
+        self.assertIn("no glake allocator", lines[2])
+        self.assertIn("record_stream", lines[3])
+        s = glake_torch.stats(device)
+        self.assertEqual(s["errors"] - before, 4)
+        self.assertEqual(s["active_bytes"], 3 * MiB)  # p is still live after the bad frees
+        lib.glake_free(p, 3 * MiB, device, None)
+        self.assertEqual(glake_torch.stats(device)["active_bytes"], 0)
+
+    def test_failed_allocations_return_null_with_one_line(self):
+        lib, device = self.lib, 4
+        with environment(GLAKE_ALLOC_CONF="memory_limit:64MiB"):
+            with captured_stderr() as lines:
+                small = lib.glake_malloc(32 * MiB, device, None)
+                self.assertIsNone(lib.glake_malloc(128 * MiB, device, None))
+                self.assertIsNone(lib.glake_malloc(MiB, 99, None))  # device id out of range
+                self.assertIsNone(lib.glake_malloc(0, device, None))  # zero bytes: null, silently
+        self.assertIsNotNone(small)
+        self.assertEqual(len(lines), 2, lines)
+        self.assertIn("out of memory", lines[0])
+        self.assertIn("device 4", lines[0])
+        self.assertIn("device 99", lines[1])
+        s = glake_torch.stats(device)
+        self.assertEqual(s["failed_allocations"], 1)
+        self.assertEqual(s["active_bytes"], 32 * MiB)  # the allocator still serves
+        lib.glake_free(small, 32 * MiB, device, None)
+
+    def test_bad_settings_fail_allocations_not_the_process(self):
+        lib, device = self.lib, 6
+        with environment(GLAKE_ALLOC_CONF="reuse_limit:0.5"):
+            with self.assertRaises(ValueError) as caught:
+                glake_torch.settings()
+            self.assertIn("reuse_limit", str(caught.exception))
+            with captured_stderr() as lines:
+                self.assertIsNone(lib.glake_malloc(MiB, device, None))
+            self.assertEqual(len(lines), 1, lines)
+            self.assertIn("reuse_limit", lines[0])
+
+
+RECORD = textwrap.dedent(
+    """
+    import ctypes, json, random, sys
+    lib = ctypes.CDLL(sys.argv[1])
+    lib.glake_malloc.restype = ctypes.c_void_p
+    lib.glake_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.glake_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.glake_stats_names.restype = ctypes.c_char_p
+    names = lib.glake_stats_names().decode().split(",")
+    def stats(device):
+        values = (ctypes.c_uint64 * len(names))()
+        lib.glake_stats(device, values, len(names))
+        return dict(zip(names, values))
+    rng = random.Random(7)
+    streams = [None, 0x1000, 0x2000]  # first used in this order, so numbered 0, 1, 2
+    live = []
+    for i in range(3000):
+        if live and rng.random() < (0.3 if len(live) < 100 else 0.7):
+            p, size, device, stream = live.pop(rng.randrange(len(live)))
+            lib.glake_free(p, size, device, stream)
+            continue
+        device = 0 if rng.random() < 0.8 else 1
+        size = rng.randint(1, 1 << 20) if rng.random() < 0.5 else rng.randint(1 << 20, 96 << 20)
+        stream = streams[i] if i < 3 else rng.choice(streams)
+        p = lib.glake_malloc(size, device, stream)
+        assert p, (size, device)
+        live.append((p, size, device, stream))
+    peaks = {d: stats(d) for d in (0, 1)}
+    for p, size, device, stream in live:
+        lib.glake_free(p, size, device, stream)
+    lib.glake_empty_cache_all()
+    print(json.dumps({"peaks": peaks, "after": {d: stats(d) for d in (0, 1)}}))
+    """
+)
+
+
+@needs_sim
+class Trace(unittest.TestCase):
+    def test_a_recorded_trace_reads_back_and_replays_to_the_plugins_peaks(self):
+        with tempfile.TemporaryDirectory() as directory:
+            pattern = os.path.join(directory, "run-%p.trace")
+            env = dict(os.environ, GLAKE_TRACE=pattern)
+            env.pop("GLAKE_ALLOC_CONF", None)
+            run = subprocess.run([sys.executable, "-c", RECORD, SIM], env=env, capture_output=True, text=True, check=True)
+            result = json.loads(run.stdout)
+            files = sorted(os.listdir(directory))
+            self.assertEqual(len(files), 2, files)  # one per device: run-<pid>.trace, run-<pid>.dev1.trace
+            device0 = os.path.join(directory, min(files, key=len))
+            self.assertTrue(max(files, key=len).endswith(".dev1.trace"))
+
+            for device, name in ((0, device0), (1, os.path.join(directory, max(files, key=len)))):
+                peaks = result["peaks"][str(device)]
+                with open(name) as f:
+                    lines = f.read().splitlines()
+                self.assertTrue(lines[0].startswith("# glake trace of device %d" % device))
+                self.assertTrue(all(len(line) < 255 for line in lines))
+                events = [line.split(",") for line in lines if not line.startswith("#")]
+                self.assertEqual(sum(1 for e in events if e[0] == "a"), peaks["allocations"])
+                self.assertEqual({e[3] for e in events if e[0] == "a"}, {"0", "1", "2"})
+                # S and U lines follow the plug-in's reserved bytes: their peak is its peak, and
+                # after everything was freed and the cache emptied they sum to what it still holds.
+                reserved = peak = 0
+                for e in events:
+                    if e[0] in "SU":
+                        reserved += int(e[1]) if e[0] == "S" else -int(e[1])
+                        peak = max(peak, reserved)
+                self.assertEqual(peak, peaks["peak_reserved_bytes"])
+                self.assertEqual(reserved, result["after"][str(device)]["reserved_bytes"])
+                self.assertEqual(reserved, 0)
+
+                if REPLAY:
+                    replay = subprocess.run([REPLAY, "--json", "--quiet", "-a", "glake", name], capture_output=True, text=True, check=True)
+                    replayed = json.loads(replay.stdout.splitlines()[0])
+                    self.assertEqual(replayed["peak_active_bytes"], peaks["peak_active_bytes"])
+                    self.assertEqual(replayed["peak_reserved_bytes"], peaks["peak_reserved_bytes"])
+                    self.assertEqual(replayed["recorded_peak_reserved_bytes"], peaks["peak_reserved_bytes"])
+
+
+if __name__ == "__main__":
+    unittest.main()

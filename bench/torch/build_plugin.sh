@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Builds the PyTorch plug-in, libglake_torch.so, with one compiler call: no CMake, no nvcc, no
+# Boost package (the GPU machine has none; its headers come from .device-deps/include, packed by
+# ../shared/tools/pack-device-deps.sh, or from the system). glake_torch finds the result in
+# build/torch/ by itself.
+#
+#   bench/torch/build_plugin.sh [OUT]        default OUT: build/torch/libglake_torch.so
+#
+# CUDA_HOME (default /usr/local/cuda) and CXX (default g++) are honoured.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out=${1:-build/torch/libglake_torch.so}
+cuda=${CUDA_HOME:-/usr/local/cuda}
+cxx=${CXX:-g++}
+deps=()
+[[ -d .device-deps/include ]] && deps=(-isystem .device-deps/include)
+mkdir -p "$(dirname "$out")"
+# -lcuda links against the driver (its stub where the real one has no libcuda.so link); at run
+# time the real libcuda.so.1 is loaded. GLAKE_CHECKED=1 as in the CMake build: bad frees are caught.
+"$cxx" -std=c++20 -O2 -g -shared -fPIC -fvisibility=hidden -Wall -Wextra -DGLAKE_CHECKED=1 \
+  -Iinclude -Iadaptors/torch "${deps[@]}" -isystem "$cuda/include" \
+  adaptors/torch/glake_torch.cpp \
+  -L"$cuda/lib64" -L"$cuda/lib" -L"$cuda/lib64/stubs" -L"$cuda/lib/stubs" -lcuda -o "$out"
+echo "built $out ($("$cxx" --version | head -1))"
