@@ -1,0 +1,32 @@
+// The PyTorch plug-in's default settings are the ones glake-replay replays as "glake", so that a
+// trace recorded on the GPU replays under the rules it ran with (issue 5: replay within 2%).
+#include <doctest/doctest.h>
+
+#include <map>
+#include <string>
+
+#include "../../adaptors/torch/settings.hpp"
+#include "configurations.hpp"
+
+using namespace glake;
+
+TEST_CASE("plug-in settings: the defaults are glake-replay's glake configuration; the environment wins") {
+  std::map<std::string, std::string> env;
+  const auto getenv = [&](const char* name) -> const char* {
+    const auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second.c_str();
+  };
+  CHECK(torch_plugin::settings_from(getenv) == replay::glake_config());
+  CHECK(torch_plugin::settings_from(getenv) != config{});  // not just the library's defaults
+
+  env["fragLimit"] = "1048576";  // a GMLake variable the process sets wins over the default
+  CHECK(torch_plugin::settings_from(getenv).frag_limit == MiB);
+  env["GLAKE_ALLOC_CONF"] = "frag_limit:4MiB,max_handle:64MiB";  // and GLAKE_ALLOC_CONF over both
+  const config c = torch_plugin::settings_from(getenv);
+  CHECK(c.frag_limit == 4 * MiB);
+  CHECK(c.max_handle == 64 * MiB);
+  CHECK(c.grow_stitch);  // untouched defaults stay
+  CHECK(c.reuse_limit == 2.0);
+  env["GLAKE_ALLOC_CONF"] = "reuse_limit:0.5";
+  CHECK_THROWS_AS(torch_plugin::settings_from(getenv), config_error);
+}
