@@ -1,0 +1,609 @@
+#!/usr/bin/env python3
+"""End-to-end fine-tuning under three CUDA allocators: PyTorch's default, expandable_segments, glake.
+
+The method of ../shared/reference/baseline.md: Hugging Face causal LMs built from their configs with
+random weights (no downloads), bf16, batch 8, sequence length drawn uniformly from 64..1024 each step
+(one seed, so every allocator sees the same lengths and tokens), 14 steps, AdamW; peaks over the whole
+run; step time = median of steps 3..14, each step closed by torch.cuda.synchronize().
+
+  models      opt1.3b (OPT-1.3B shape), llama1b (TinyLlama 1.1B shape), pythia2.8b (GPT-NeoX 2.8B shape)
+  strategies  N full fine-tune | R recompute (gradient checkpointing) | LR LoRA r16 + recompute |
+              LO LoRA + recompute + saved activations in pinned host memory (save_on_cpu)
+  allocators  default | expandable (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before torch
+              is imported) | glake (glake_torch.enable() before the first CUDA allocation)
+
+Each (model, strategy, allocator) runs in a process of its own (the driver starts them and collects one
+JSON object each; --child runs one). Reported per run:
+  peak_active_bytes    torch.cuda.max_memory_allocated() (default, expandable); glake's peak of the
+                       bytes requested (glake_torch.stats()); peak_requested_bytes is the requested
+                       peak for all three (torch: memory_stats()["requested_bytes.all.peak"])
+  peak_reserved_bytes  torch.cuda.max_memory_reserved(); glake's own peak reserved
+  utilization          peak_active_bytes / peak_reserved_bytes
+  device_used_*        cudaMemGetInfo (torch.cuda.mem_get_info: total - free), sampled right after CUDA
+                       is initialised (base) and after the forward pass, the backward pass and the
+                       optimizer step of every step; the peak sample, and the peak minus the base
+                       (which then holds the allocator's memory plus what CUDA libraries took directly)
+  median_step_s        median of steps 3..N; status ok | oom | error (an OOM is reported, not fatal)
+With --trace-dir, glake runs record their requests (GLAKE_TRACE) for glake-replay.
+
+  python3 bench/torch/finetune.py --models opt1.3b --strategies R --steps 3          # smoke test
+  python3 bench/torch/finetune.py --out results.jsonl --markdown results.md          # everything
+  python3 bench/torch/finetune.py --fsdp 2 --models opt1.3b --strategies N,LR        # FSDP on 2 GPUs
+  python3 bench/torch/finetune.py --summarize results.jsonl --markdown results.md    # table only
+
+--fsdp N runs each (model, strategy, allocator) under `torchrun --standalone --nproc_per_node N`
+with FSDP2 (fully_shard on each decoder layer, then the model; FSDP1 where fully_shard is missing),
+one glake allocator per rank (device = LOCAL_RANK), and reports every rank. See bench/torch/README.md
+for building the plug-in and the commands used on the GPU machine.
+"""
+
+import argparse
+import json
+import os
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+GLAKE_TORCH = os.path.join(ROOT, "adaptors", "torch")
+
+GB = 1e9
+BATCH = 8
+MIN_LEN, MAX_LEN = 64, 1024
+SEED = 1234
+ALLOCATORS = ("default", "expandable", "glake")
+STRATEGIES = ("N", "R", "LR", "LO")
+# Shapes of the public checkpoints, random weights; `kind` picks the config class (CONFIG_CLASSES).
+MODELS = {
+    "opt1.3b": dict(
+        kind="opt", hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, ffn_dim=8192,
+        vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=2048,
+    ),
+    "llama1b": dict(
+        kind="llama", hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+        intermediate_size=5632, vocab_size=32000, max_position_embeddings=2048,
+    ),
+    "pythia2.8b": dict(
+        kind="gpt_neox", hidden_size=2560, num_hidden_layers=32, num_attention_heads=32, intermediate_size=10240,
+        vocab_size=50304, max_position_embeddings=2048, rotary_pct=0.25, use_parallel_residual=True,
+    ),
+}
+CONFIG_CLASSES = {"opt": "OPTConfig", "llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig"}
+ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def sequence_lengths(steps, seed=SEED):
+    """The same lengths for every allocator and rank."""
+    rng = random.Random(seed)
+    return [rng.randint(MIN_LEN, MAX_LEN) for _ in range(steps)]
+
+
+def median_step(times):
+    """Median of steps 3..N (all steps when there are fewer than 3)."""
+    tail = times[2:] if len(times) >= 3 else times
+    return statistics.median(tail) if tail else None
+
+
+def is_oom(error):
+    text = str(error).lower()
+    return type(error).__name__ == "OutOfMemoryError" or "out of memory" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# child: one run (one rank under --fsdp)
+# ---------------------------------------------------------------------------------------------
+
+
+def child(args):
+    started = time.time()
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    result = dict(
+        model=args.model, strategy=args.strategy, allocator=args.allocator, steps=args.steps, batch=BATCH,
+        seed=SEED, fsdp=bool(args.fsdp), rank=rank, world_size=world, device=local_rank, status="error",
+        alloc_conf={k: os.environ[k] for k in ALLOC_CONF_VARIABLES if k in os.environ},
+    )
+    try:
+        run_training(args, result, local_rank)
+    except BaseException as error:  # noqa: BLE001 - report whatever stopped the run
+        result["status"] = "oom" if is_oom(error) else "error"
+        result["error"] = f"{type(error).__name__}: {error}"[:2000]
+        if result["status"] == "error":
+            import traceback
+
+            traceback.print_exc()
+    result["wall_s"] = round(time.time() - started, 2)
+    text = json.dumps(result)
+    if args.result_file:
+        with open(args.result_file.replace("{rank}", str(rank)), "w") as f:
+            f.write(text + "\n")
+    print("RESULT " + text, flush=True)
+    return 0 if result["status"] in ("ok", "oom") else 1
+
+
+def run_training(args, result, device):
+    if args.allocator == "expandable" and "expandable_segments" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        raise RuntimeError("expandable: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True must be set before start")
+    if args.allocator != "expandable" and any(k in os.environ for k in ALLOC_CONF_VARIABLES):
+        raise RuntimeError(f"{args.allocator}: unset {', '.join(ALLOC_CONF_VARIABLES)} (they change PyTorch's allocator)")
+
+    import torch
+
+    glake = None
+    if args.allocator == "glake":
+        sys.path.insert(0, GLAKE_TORCH)
+        import glake_torch as glake
+
+        glake.enable(conf=args.glake_conf)  # before anything touches CUDA
+        result["glake_settings"] = glake.settings()
+        result["glake_hooks"] = glake.hooks()
+        result["glake_library"] = glake._lib_path
+        result["trace"] = os.environ.get("GLAKE_TRACE")
+
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    result.update(torch_version=torch.__version__, transformers_version=transformers.__version__)
+    torch.cuda.set_device(device)
+    torch.cuda.init()
+    free, total = torch.cuda.mem_get_info(device)
+    used = {"base": total - free, "peak": total - free}
+    result.update(gpu=torch.cuda.get_device_name(device), device_total_bytes=total)
+
+    def sample():
+        free_now, _ = torch.cuda.mem_get_info(device)
+        used["peak"] = max(used["peak"], total - free_now)
+
+    dist = None
+    if args.fsdp:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl", device_id=torch.device("cuda", device))
+
+    spec = dict(MODELS[args.model])
+    config = getattr(transformers, CONFIG_CLASSES[spec.pop("kind")])(**spec)
+    config.use_cache = False
+    torch.manual_seed(SEED)
+    previous_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # parameters made in bf16 on the GPU, as in the baseline
+    try:
+        with torch.device("cuda", device):
+            try:
+                model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+            except (ValueError, ImportError, TypeError):
+                model = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(previous_dtype)
+    if any(p.dtype != torch.bfloat16 for p in model.parameters()):
+        model.to(torch.bfloat16)
+    result["params"] = sum(p.numel() for p in model.parameters())
+    if args.strategy != "N":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.strategy in ("LR", "LO"):
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, task_type="CAUSAL_LM"))
+        result["peft_version"] = peft.__version__
+    model.train()
+    if args.fsdp:
+        model, result["fsdp_api"] = shard(model, device)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    result["trainable_params"] = sum(p.numel() for p in trainable)
+    optimizer = torch.optim.AdamW(trainable, lr=1e-5)
+    sample()
+
+    lengths = sequence_lengths(args.steps)
+    result["seq_lengths"] = lengths
+    generator = torch.Generator(device=f"cuda:{device}")
+    generator.manual_seed(SEED + result["rank"])
+    saved_on_host = torch.autograd.graph.save_on_cpu if args.strategy == "LO" else None
+    times, losses = [], []
+    try:
+        for step, length in enumerate(lengths, 1):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            ids = torch.randint(0, config.vocab_size, (BATCH, length), device=f"cuda:{device}", generator=generator)
+            if saved_on_host is not None:
+                with saved_on_host(pin_memory=True):
+                    loss = model(input_ids=ids, labels=ids).loss
+            else:
+                loss = model(input_ids=ids, labels=ids).loss
+            sample()
+            loss.backward()
+            sample()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+            sample()
+            losses.append(float(loss.detach()))
+            del loss, ids
+            if args.progress:
+                print(f"[rank {result['rank']}] step {step}/{len(lengths)} len {length} {times[-1]:.3f} s", file=sys.stderr, flush=True)
+        result["status"] = "ok"
+    except BaseException as error:  # noqa: BLE001
+        if not is_oom(error):
+            raise
+        result.update(status="oom", error=f"{type(error).__name__}: {error}"[:2000], oom_step=len(times) + 1)
+    finally:
+        result.update(step_times_s=[round(t, 4) for t in times], median_step_s=median_step(times))
+        if losses:
+            result.update(loss_first=losses[0], loss_last=losses[-1])
+        try:  # after a CUDA error these may fail too; the error that stopped the run matters more
+            sample()
+            result.update(
+                device_used_base_bytes=used["base"], device_used_peak_bytes=used["peak"],
+                device_used_peak_over_base_bytes=used["peak"] - used["base"],
+                device_used_samples="after CUDA init, then after forward, backward and optimizer step of every step",
+            )
+            memory_peaks(torch, glake, device, result)
+        except Exception as error:  # noqa: BLE001
+            result["stats_error"] = f"{type(error).__name__}: {error}"[:500]
+        if dist is not None and dist.is_initialized():
+            try:
+                dist.barrier()
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a peer that died must not hide this rank's result
+                pass
+
+
+def memory_peaks(torch, glake, device, result):
+    if glake is not None:
+        s = glake.stats(device)
+        result["glake_stats"] = s
+        active, reserved = s["peak_active_bytes"], s["peak_reserved_bytes"]
+        requested = active
+    else:
+        active, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+        requested = torch.cuda.memory_stats(device).get("requested_bytes.all.peak")
+        result["num_alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries")
+    result.update(
+        peak_active_bytes=active, peak_reserved_bytes=reserved, peak_requested_bytes=requested,
+        utilization=active / reserved if reserved else None,
+    )
+
+
+def shard(model, device):
+    """FSDP2: fully_shard each decoder layer, then the whole model. FSDP1 where it is missing."""
+    layer_names = set()
+    for module in model.modules():
+        layer_names.update(getattr(module, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in layer_names]
+    if not layers:
+        raise RuntimeError(f"no decoder layers found to shard (looked for {sorted(layer_names)})")
+    try:
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:
+            from torch.distributed._composable.fsdp import fully_shard
+    except ImportError:
+        fully_shard = None
+    if fully_shard is not None:
+        for layer in layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model, "FSDP2 fully_shard"
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    wrapped = FullyShardedDataParallel(
+        model, auto_wrap_policy=ModuleWrapPolicy({type(layer) for layer in layers}), device_id=device, use_orig_params=True
+    )
+    return wrapped, "FSDP1 FullyShardedDataParallel (use_orig_params)"
+
+
+# ---------------------------------------------------------------------------------------------
+# driver
+# ---------------------------------------------------------------------------------------------
+
+
+def child_environment(allocator, trace):
+    env = dict(os.environ)
+    for k in ALLOC_CONF_VARIABLES:
+        env.pop(k, None)
+    env.pop("GLAKE_TRACE", None)
+    if allocator == "expandable":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if allocator == "glake" and trace:
+        env["GLAKE_TRACE"] = trace
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    return env
+
+
+def drive(args, driver_command):
+    runs = [(m, s, a) for m in args.models for s in args.strategies for a in args.allocators]
+    results = []
+    begun = time.time()
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="finetune-logs-")
+    os.makedirs(log_dir, exist_ok=True)
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
+    print(f"{len(runs)} runs; child logs in {log_dir}", file=sys.stderr, flush=True)
+    for index, (model, strategy, allocator) in enumerate(runs, 1):
+        name = f"{model}-{strategy}-{allocator}" + (f"-fsdp{args.fsdp}" if args.fsdp else "")
+        trace = None
+        if args.trace_dir and allocator == "glake":
+            suffix = f"-fsdp{args.fsdp}-dev%d" if args.fsdp else ""
+            trace = os.path.abspath(os.path.join(args.trace_dir, f"{model}-{strategy}{suffix}.trace"))
+        result_dir = tempfile.mkdtemp(prefix="finetune-")
+        result_file = os.path.join(result_dir, "rank{rank}.json")
+        common = [
+            os.path.abspath(__file__), "--child", "--model", model, "--strategy", strategy, "--allocator", allocator,
+            "--steps", str(args.steps), "--result-file", result_file,
+        ]
+        if args.glake_conf is not None:
+            common += ["--glake-conf", args.glake_conf]
+        if args.progress:
+            common.append("--progress")
+        if args.fsdp:
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.fsdp}"]
+            command += common + ["--fsdp"]
+        else:
+            command = [sys.executable] + common
+        if args.budget and time.time() - begun > args.budget:
+            print(f"[{index}/{len(runs)}] {name}: skipped, --budget {args.budget:.0f} s used up", file=sys.stderr, flush=True)
+            continue
+        print(f"[{index}/{len(runs)}] {name} ...", file=sys.stderr, flush=True)
+        started = time.time()
+        log_path = os.path.join(log_dir, name + ".log")
+        with open(log_path, "w") as log:
+            try:
+                code = subprocess.run(command, env=child_environment(allocator, trace), stdout=log, stderr=subprocess.STDOUT,
+                                      timeout=args.timeout).returncode
+            except subprocess.TimeoutExpired:
+                code = "timeout"
+        found = []
+        for rank in range(args.fsdp or 1):
+            path = result_file.replace("{rank}", str(rank))
+            if os.path.isfile(path):
+                with open(path) as f:
+                    found.append(json.loads(f.read()))
+            else:
+                found.append(dict(model=model, strategy=strategy, allocator=allocator, rank=rank, fsdp=bool(args.fsdp),
+                                  status="error", error=f"no result (exit {code}); see {log_path}"))
+        for r in found:
+            r["command"] = " ".join(shlex.quote(c) for c in command)
+            r["driver_command"] = driver_command
+            r["log"] = log_path
+            results.append(r)
+            print("    " + one_line(r), file=sys.stderr, flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(r) + "\n")
+        if any(r["status"] == "error" for r in found):
+            with open(log_path) as f:
+                tail = f.read()[-3000:]
+            print("    --- log tail ---\n" + tail, file=sys.stderr, flush=True)
+        print(f"    ({time.time() - started:.0f} s)", file=sys.stderr, flush=True)
+    return results
+
+
+def one_line(r):
+    rank = f" rank {r['rank']}" if r.get("fsdp") else ""
+    if r.get("status") == "error":
+        return f"{r['allocator']}{rank}: ERROR {r.get('error', '')[:300]}"
+    gb = lambda k: f"{r[k] / GB:.2f}" if r.get(k) is not None else "-"  # noqa: E731
+    util = f"{r['utilization']:.3f}" if r.get("utilization") else "-"
+    step = f"{r['median_step_s']:.3f}" if r.get("median_step_s") else "-"
+    oom = f" OOM at step {r.get('oom_step')}" if r.get("status") == "oom" else ""
+    return (f"{r['allocator']}{rank}: active {gb('peak_active_bytes')} GB, reserved {gb('peak_reserved_bytes')} GB, "
+            f"util {util}, device used over base {gb('device_used_peak_over_base_bytes')} GB, step {step} s{oom}")
+
+
+# ---------------------------------------------------------------------------------------------
+# replaying the recorded traces (issue 5, item 3)
+# ---------------------------------------------------------------------------------------------
+
+
+def trace_of(r, trace_dir=None):
+    """The trace file a glake run wrote, where it is now: its recorded path, else the same name
+    (plain or .gz) in `trace_dir`."""
+    pattern = r.get("trace")
+    if not pattern:
+        return None
+    path = pattern.replace("%d", str(r.get("device", 0)))
+    places = [path] + ([os.path.join(trace_dir, os.path.basename(path))] if trace_dir else [])
+    for place in places:
+        for candidate in (place, place + ".gz"):
+            if os.path.isfile(candidate):
+                return candidate
+    return None
+
+
+def attach_replays(results, replay, trace_dir=None):
+    """Replays each glake run's trace with `glake-replay -a glake` under the settings it ran with
+    and adds replay_peak_reserved_bytes and replay_ratio (replayed / measured peak reserved)."""
+    for r in results:
+        if r.get("allocator") != "glake" or r.get("status") == "error":
+            continue
+        path = trace_of(r, trace_dir)
+        if path is None:
+            continue
+        command = [replay, "--json", "--quiet", "-a", "glake", path]
+        if r.get("glake_settings"):
+            command[1:1] = ["--glake-conf", r["glake_settings"]]
+        run = subprocess.run(command, capture_output=True, text=True)
+        if run.returncode != 0:
+            r["replay_error"] = run.stderr.strip()[:500]
+            continue
+        replayed = json.loads(run.stdout.splitlines()[0])
+        r["replay_trace"] = path
+        r["replay_peak_reserved_bytes"] = replayed["peak_reserved_bytes"]
+        r["replay_recorded_peak_reserved_bytes"] = replayed.get("recorded_peak_reserved_bytes")
+        if r.get("peak_reserved_bytes"):
+            r["replay_ratio"] = replayed["peak_reserved_bytes"] / r["peak_reserved_bytes"]
+
+
+# ---------------------------------------------------------------------------------------------
+# table
+# ---------------------------------------------------------------------------------------------
+
+
+def markdown(results, command):
+    """One row per workload (and rank), one group of columns per allocator, then the targets."""
+    rows = {}
+    for r in results:
+        key = (r["model"], r["strategy"], bool(r.get("fsdp")), r.get("rank", 0))
+        rows.setdefault(key, {})[r["allocator"]] = r
+    allocators = [a for a in ALLOCATORS if any(a in v for v in rows.values())]
+    first = next((r for r in results if r.get("gpu")), {})
+    lines = [
+        "# End-to-end fine-tuning: PyTorch's default allocator, expandable_segments and glake",
+        "",
+        f"GPU: {first.get('gpu', '?')}; torch {first.get('torch_version', '?')}, transformers "
+        f"{first.get('transformers_version', '?')}. Method: ../shared/reference/baseline.md (bf16, batch {BATCH}, "
+        f"sequence length uniform in {MIN_LEN}..{MAX_LEN} per step, AdamW, each run its own process).",
+        "",
+        "Command:",
+        "",
+        f"    {command}",
+        "",
+        "Peak active: torch.cuda.max_memory_allocated (default, expandable), glake's requested-bytes peak. Reserved: "
+        "max_memory_reserved, glake's own. util = active / reserved. Device: peak of cudaMemGetInfo's used memory "
+        "(sampled after forward, backward and optimizer step) minus its value right after CUDA init. Step: median "
+        "of steps 3..N.",
+        "",
+    ]
+    header = ["workload"]
+    for a in allocators:
+        header += [f"{a}: active GB", f"{a}: reserved GB", f"{a}: util", f"{a}: device GB", f"{a}: step s"]
+    targets = "glake" in allocators
+    if targets:
+        header += ["reserved ≤ expandable", "util ≥ 0.97", "step ≤ 1.02× default"]
+    replays = any("replay_ratio" in r for r in results)
+    if replays:
+        header += ["glake replayed GB", "replay within 2%"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+
+    def cell(r, key, scale=GB, digits=2):
+        if r is None:
+            return "-"
+        if r.get("status") == "error":
+            return "error"
+        value = r.get(key)
+        if value is None:
+            return "-"
+        text = f"{value / scale:.{digits}f}"
+        return text + (" (OOM)" if r.get("status") == "oom" and key == "peak_reserved_bytes" else "")
+
+    for (model, strategy, fsdp, rank), by in sorted(rows.items()):
+        name = f"{model} {strategy}" + (f" FSDP rank {rank}" if fsdp else "")
+        row = [name]
+        for a in allocators:
+            r = by.get(a)
+            row += [cell(r, "peak_active_bytes"), cell(r, "peak_reserved_bytes"), cell(r, "utilization", 1, 3),
+                    cell(r, "device_used_peak_over_base_bytes"), cell(r, "median_step_s", 1, 3)]
+        if targets:
+            row += check_targets(by)
+        if replays:
+            g = by.get("glake") or {}
+            if "replay_ratio" in g:
+                ratio = g["replay_ratio"]
+                row += [f"{g['replay_peak_reserved_bytes'] / GB:.2f}", f"{'yes' if abs(ratio - 1) <= 0.02 else 'NO'} ({ratio:.3f})"]
+            else:
+                row += ["-", "-"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def check_targets(by):
+    def good(r):
+        return r is not None and r.get("status") == "ok"
+
+    g, e, d = by.get("glake"), by.get("expandable"), by.get("default")
+    out = []
+    if good(g) and good(e):
+        ratio = g["peak_reserved_bytes"] / e["peak_reserved_bytes"]
+        out.append(f"{'yes' if ratio <= 1 else 'NO'} ({ratio:.3f})")
+    else:
+        out.append("-")
+    out.append(f"{'yes' if g['utilization'] >= 0.97 else 'NO'} ({g['utilization']:.3f})" if good(g) else "-")
+    if good(g) and good(d) and g.get("median_step_s") and d.get("median_step_s"):
+        ratio = g["median_step_s"] / d["median_step_s"]
+        out.append(f"{'yes' if ratio <= 1.02 else 'NO'} ({ratio:.3f})")
+    else:
+        out.append("-")
+    return out
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Runs: every model x strategy x allocator, allocators innermost, each in its own process.",
+    )
+    csv = lambda choices: lambda text: check_list(text, choices)  # noqa: E731
+    parser.add_argument("--models", type=csv(MODELS), default=list(MODELS), help=f"comma-separated: {','.join(MODELS)} (default: all)")
+    parser.add_argument("--strategies", type=csv(STRATEGIES), default=list(STRATEGIES), help="comma-separated: N,R,LR,LO (default: all)")
+    parser.add_argument("--allocators", type=csv(ALLOCATORS), default=list(ALLOCATORS), help="comma-separated: default,expandable,glake (default: all)")
+    parser.add_argument("--steps", type=int, default=14, help="training steps (default 14; step time is the median of 3..N)")
+    parser.add_argument("--out", help="append one JSON object per run (per rank) to this file")
+    parser.add_argument("--markdown", help="write the results table (with the target checks) to this file")
+    parser.add_argument("--trace-dir", help="glake runs record their requests here (GLAKE_TRACE) for glake-replay")
+    parser.add_argument("--glake-conf", help="GLAKE_ALLOC_CONF for glake runs (default: the plug-in's defaults)")
+    parser.add_argument("--fsdp", type=int, default=0, metavar="N", help="run each under torchrun with N processes, FSDP2")
+    parser.add_argument("--timeout", type=float, default=540, help="seconds per run before it is killed (default 540)")
+    parser.add_argument("--budget", type=float, help="start no new run after this many seconds (for command time limits)")
+    parser.add_argument("--log-dir", help="where each run's output goes (default: a temporary directory)")
+    parser.add_argument("--summarize", metavar="JSONL", help="no runs: read results from JSONL and write --markdown")
+    parser.add_argument("--replay", metavar="GLAKE_REPLAY", help="replay glake runs' traces with this glake-replay "
+                        "(after the runs, or with --summarize; traces looked up in --trace-dir too) and report the ratio")
+    # child mode
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", choices=list(MODELS), help=argparse.SUPPRESS)
+    parser.add_argument("--strategy", choices=STRATEGIES, help=argparse.SUPPRESS)
+    parser.add_argument("--allocator", choices=ALLOCATORS, help=argparse.SUPPRESS)
+    parser.add_argument("--result-file", help=argparse.SUPPRESS)
+    parser.add_argument("--progress", action="store_true", help="children print every step on stderr")
+    args = parser.parse_args(argv)
+    if args.child and not (args.model and args.strategy and args.allocator):
+        parser.error("--child needs --model, --strategy and --allocator")
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
+    return args
+
+
+def check_list(text, choices):
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in items if t not in choices]
+    if bad or not items:
+        raise argparse.ArgumentTypeError(f"{','.join(bad) or 'nothing'}: choose from {','.join(choices)}")
+    return items
+
+
+def main(argv=None):
+    args = parse(sys.argv[1:] if argv is None else argv)
+    if args.child:
+        return child(args)
+    command = "python3 bench/torch/finetune.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    if args.summarize:
+        with open(args.summarize) as f:
+            results = [json.loads(line) for line in f if line.strip()]
+        command = results[0].get("driver_command", command) if results else command
+    else:
+        results = drive(args, command)
+    if args.replay:
+        attach_replays(results, args.replay, args.trace_dir)
+        for r in results:
+            if "replay_ratio" in r or "replay_error" in r:
+                rank = f" rank {r['rank']}" if r.get("fsdp") else ""
+                print(f"replay {r['model']} {r['strategy']}{rank}: " + (f"{r['replay_ratio']:.4f} of the measured peak reserved"
+                      if "replay_ratio" in r else r["replay_error"]), file=sys.stderr)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(results, command))
+        print(f"wrote {args.markdown}", file=sys.stderr)
+    failed = [r for r in results if r.get("status") == "error"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""Tests for bench/torch/finetune.py's driver and report, without torch or a GPU: children are
+replaced by a fake subprocess.run that writes the result files a child would.
+
+Run: python3 -m unittest discover -s bench/torch/tests -v
+"""
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+from unittest import mock
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import finetune  # noqa: E402
+
+GB = 10**9
+
+
+def value_after(command, option):
+    return command[command.index(option) + 1]
+
+
+class FakeChildren:
+    """Stands in for subprocess.run: records each command and environment and writes the result
+    files the child (each rank) would, with numbers from `numbers(model, strategy, allocator)`."""
+
+    def __init__(self, numbers, missing=()):
+        self.numbers, self.missing, self.calls = numbers, set(missing), []
+
+    def __call__(self, command, env, stdout, stderr, timeout):
+        self.calls.append((command, env))
+        allocator = value_after(command, "--allocator")
+        model, strategy = value_after(command, "--model"), value_after(command, "--strategy")
+        stdout.write(f"child output of {model} {strategy} {allocator}\n")
+        if (model, strategy, allocator) in self.missing:
+            return subprocess.CompletedProcess(command, 1)
+        ranks = int(next((c.split("=")[1] for c in command if c.startswith("--nproc_per_node=")), "1"))
+        for rank in range(ranks):
+            result = dict(model=model, strategy=strategy, allocator=allocator, rank=rank, fsdp=ranks > 1,
+                          status="ok", gpu="Fake H100", torch_version="2.11.0")
+            result.update(self.numbers(model, strategy, allocator))
+            with open(value_after(command, "--result-file").replace("{rank}", str(rank)), "w") as f:
+                f.write(json.dumps(result) + "\n")
+        return subprocess.CompletedProcess(command, 0)
+
+
+def numbers(model, strategy, allocator):
+    reserved = {"default": 30 * GB, "expandable": 16 * GB, "glake": 14 * GB}[allocator]
+    step = {"default": 0.300, "expandable": 0.290, "glake": 0.303}[allocator]
+    return dict(peak_active_bytes=13.8 * GB, peak_reserved_bytes=reserved, utilization=13.8 * GB / reserved,
+                median_step_s=step, device_used_peak_over_base_bytes=reserved + GB)
+
+
+class Driver(unittest.TestCase):
+    def run_driver(self, argv, children):
+        with tempfile.TemporaryDirectory() as directory, mock.patch.object(finetune.subprocess, "run", children), \
+                contextlib.redirect_stderr(io.StringIO()) as progress:
+            out = os.path.join(directory, "results.jsonl")
+            args = finetune.parse(argv + ["--out", out, "--log-dir", os.path.join(directory, "logs"),
+                                          "--trace-dir", os.path.join(directory, "traces")])
+            results = finetune.drive(args, "python3 bench/torch/finetune.py ...")
+            with open(out) as f:
+                written = [json.loads(line) for line in f]
+            logs = sorted(os.listdir(os.path.join(directory, "logs")))
+            return results, written, logs, progress.getvalue(), directory
+
+    def test_one_process_per_run_with_the_allocator_chosen_by_environment(self):
+        children = FakeChildren(numbers, missing={("llama1b", "R", "glake")})
+        results, written, logs, progress, directory = self.run_driver(
+            ["--models", "opt1.3b,llama1b", "--strategies", "R", "--steps", "3", "--glake-conf", "reuse_limit:3"], children)
+        self.assertEqual([(value_after(c, "--model"), value_after(c, "--allocator")) for c, _ in children.calls],
+                         [(m, a) for m in ("opt1.3b", "llama1b") for a in ("default", "expandable", "glake")])
+        for command, env in children.calls:
+            allocator = value_after(command, "--allocator")
+            self.assertEqual(command[0], sys.executable)
+            self.assertIn("--child", command)
+            self.assertEqual(value_after(command, "--steps"), "3")
+            self.assertEqual(value_after(command, "--glake-conf"), "reuse_limit:3")
+            self.assertEqual(env.get("PYTORCH_CUDA_ALLOC_CONF"), "expandable_segments:True" if allocator == "expandable" else None)
+            self.assertNotIn("PYTORCH_ALLOC_CONF", env)
+            if allocator == "glake":
+                self.assertEqual(env["GLAKE_TRACE"], os.path.join(directory, "traces", f"{value_after(command, '--model')}-R.trace"))
+            else:
+                self.assertNotIn("GLAKE_TRACE", env)
+        self.assertEqual(len(results), 6)
+        self.assertEqual(written, results)
+        failed = [r for r in results if r["status"] == "error"]
+        self.assertEqual([(r["model"], r["allocator"]) for r in failed], [("llama1b", "glake")])
+        self.assertIn("no result (exit 1)", failed[0]["error"])
+        self.assertIn("child output of llama1b R glake", progress)  # the log's tail is shown
+        self.assertEqual(len(logs), 6)
+        self.assertTrue(all(r["driver_command"].startswith("python3 bench/torch/finetune.py") for r in results))
+
+    def test_fsdp_runs_under_torchrun_and_reports_every_rank(self):
+        children = FakeChildren(numbers)
+        with mock.patch.dict(os.environ, {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6"}):
+            results, _, _, _, directory = self.run_driver(
+                ["--fsdp", "2", "--models", "pythia2.8b", "--strategies", "LR", "--allocators", "default,glake"], children)
+        commands = [c for c, _ in children.calls]
+        self.assertEqual(len(commands), 2)
+        for command, env in children.calls:
+            self.assertEqual(command[1:5], ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"])
+            self.assertIn("--fsdp", command)
+            self.assertNotEqual(env.get("PYTORCH_CUDA_ALLOC_CONF"), "garbage_collection_threshold:0.6")
+        glake_env = children.calls[1][1]
+        self.assertEqual(glake_env["GLAKE_TRACE"], os.path.join(directory, "traces", "pythia2.8b-LR-fsdp2-dev%d.trace"))
+        self.assertEqual(sorted((r["allocator"], r["rank"]) for r in results),
+                         [("default", 0), ("default", 1), ("glake", 0), ("glake", 1)])
+
+    def test_budget_stops_starting_runs(self):
+        children = FakeChildren(numbers)
+        clock = iter(range(0, 10000, 100))
+        with mock.patch.object(finetune.time, "time", lambda: next(clock)):
+            results, _, _, progress, _ = self.run_driver(["--models", "opt1.3b", "--strategies", "N,R", "--budget", "250"], children)
+        self.assertLess(len(children.calls), 6)
+        self.assertGreater(len(children.calls), 0)
+        self.assertIn("skipped, --budget 250 s used up", progress)
+        self.assertEqual(len(results), len(children.calls))
+
+
+FAKES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_modules")
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "finetune.py")
+SIM = os.environ.get("GLAKE_TORCH_SIM_LIBRARY")
+
+
+class Child(unittest.TestCase):
+    """The child's code path over fake torch, transformers and peft (tests/fake_modules)."""
+
+    def run_child(self, allocator, strategy="LR", steps=4, **env):
+        with tempfile.TemporaryDirectory() as directory:
+            out = os.path.join(directory, "rank{rank}.json")
+            environment = {k: v for k, v in os.environ.items() if k not in finetune.ALLOC_CONF_VARIABLES}
+            environment.update(PYTHONPATH=FAKES, **env)
+            run = subprocess.run([sys.executable, SCRIPT, "--child", "--model", "opt1.3b", "--strategy", strategy,
+                                  "--allocator", allocator, "--steps", str(steps), "--result-file", out],
+                                 capture_output=True, text=True, env=environment)
+            with open(out.replace("{rank}", "0")) as f:
+                result = json.load(f)
+        self.assertIn("RESULT " + json.dumps(result), run.stdout)
+        return run.returncode, result
+
+    def test_default_allocator_run(self):
+        code, r = self.run_child("default")
+        self.assertEqual((code, r["status"]), (0, "ok"), r.get("error"))
+        self.assertEqual(len(r["step_times_s"]), 4)
+        self.assertEqual(r["seq_lengths"], finetune.sequence_lengths(4))
+        self.assertEqual((r["peak_active_bytes"], r["peak_reserved_bytes"]), (3 * GB, 4 * GB))
+        self.assertEqual(r["peak_requested_bytes"], 3 * GB - 1)
+        self.assertAlmostEqual(r["utilization"], 0.75)
+        self.assertEqual(r["device_used_base_bytes"], 10 * GB)
+        self.assertEqual(r["device_used_peak_over_base_bytes"], 0)
+        self.assertEqual(r["trainable_params"], 16 * 2 * 2048)  # LoRA's only
+        self.assertEqual(r["params"], 2048 * 50272)
+
+    def test_out_of_memory_is_a_result_not_a_crash(self):
+        code, r = self.run_child("default", strategy="LO", FAKE_TORCH_OOM_AT="2")
+        self.assertEqual((code, r["status"], r["oom_step"]), (0, "oom", 2))
+        self.assertIn("out of memory", r["error"])
+        self.assertEqual(len(r["step_times_s"]), 1)
+        self.assertEqual(r["peak_reserved_bytes"], 4 * GB)  # peaks still reported
+
+    def test_expandable_needs_its_variable(self):
+        code, r = self.run_child("expandable", strategy="N")
+        self.assertEqual((code, r["status"]), (1, "error"))
+        self.assertIn("PYTORCH_CUDA_ALLOC_CONF", r["error"])
+        code, r = self.run_child("expandable", strategy="N", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+        self.assertEqual((code, r["status"]), (0, "ok"), r.get("error"))
+        self.assertEqual(r["alloc_conf"], {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+
+    @unittest.skipUnless(SIM, "GLAKE_TORCH_SIM_LIBRARY is not set (run through ctest)")
+    def test_glake_run_enables_the_plugin_first(self):
+        code, r = self.run_child("glake", strategy="R", GLAKE_TORCH_LIBRARY=SIM)
+        self.assertEqual((code, r["status"]), (0, "ok"), r.get("error"))
+        self.assertEqual(r["glake_hooks"], {"empty_cache": "set_reset_fn", "record_stream": "set_record_stream_fn"})
+        self.assertIn("frag_limit:2MiB", r["glake_settings"])
+        self.assertEqual(os.path.realpath(r["glake_library"]), os.path.realpath(SIM))
+        self.assertEqual(r["glake_stats"]["allocations"], 0)  # the fake model allocates nothing through it
+        self.assertEqual(r["peak_reserved_bytes"], 0)
+
+
+REPLAY = os.environ.get("GLAKE_REPLAY")
+
+
+class Replay(unittest.TestCase):
+    def test_trace_lookup(self):
+        with tempfile.TemporaryDirectory() as directory:
+            fetched = os.path.join(directory, "fetched")
+            os.makedirs(fetched)
+            for name in ("m-R.trace", "m-LR-fsdp2-dev1.trace.gz"):
+                open(os.path.join(fetched, name), "w").close()
+            gone = "/elsewhere/traces/"
+            self.assertEqual(finetune.trace_of({"trace": gone + "m-R.trace"}, fetched), os.path.join(fetched, "m-R.trace"))
+            self.assertEqual(finetune.trace_of({"trace": gone + "m-LR-fsdp2-dev%d.trace", "device": 1}, fetched),
+                             os.path.join(fetched, "m-LR-fsdp2-dev1.trace.gz"))
+            self.assertIsNone(finetune.trace_of({"trace": gone + "m-LR-fsdp2-dev%d.trace", "device": 0}, fetched))
+            self.assertIsNone(finetune.trace_of({"trace": gone + "m-R.trace"}))
+            self.assertIsNone(finetune.trace_of({}))
+
+    @unittest.skipUnless(REPLAY, "GLAKE_REPLAY is not set (run through ctest)")
+    def test_replayed_peak_against_the_measured_one(self):
+        MiB = 1 << 20
+        with tempfile.TemporaryDirectory() as directory:
+            trace = os.path.join(directory, "opt1.3b-R.trace")
+            with open(trace, "w") as f:  # 10 MiB and 6 MiB live together, then 4 MiB in 10 MiB's place
+                f.write("# glake trace\nS,10485760\na,0,10485760,0\nS,6291456\na,1,6291456,0\nf,0\na,2,4194304,0\nf,1\nf,2\n")
+            results = [
+                dict(model="opt1.3b", strategy="R", allocator="glake", status="ok", trace=trace, device=0,
+                     peak_active_bytes=16 * MiB, peak_reserved_bytes=16 * MiB, utilization=1.0, median_step_s=0.3,
+                     glake_settings="stitching:true,frag_limit:2MiB,reuse_limit:2,defrag_level:0,auto_gc:8GiB,grow_stitch:true"),
+                dict(model="opt1.3b", strategy="R", allocator="default", status="ok", peak_active_bytes=16 * MiB,
+                     peak_reserved_bytes=20 * MiB, utilization=0.8, median_step_s=0.3),
+                dict(model="llama1b", strategy="R", allocator="glake", status="ok", trace=os.path.join(directory, "none.trace"),
+                     peak_active_bytes=16 * MiB, peak_reserved_bytes=17 * MiB, utilization=0.94, median_step_s=0.3),
+            ]
+            finetune.attach_replays(results, REPLAY)
+        self.assertEqual(results[0]["replay_peak_reserved_bytes"], 16 * MiB)
+        self.assertEqual(results[0]["replay_recorded_peak_reserved_bytes"], 16 * MiB)
+        self.assertEqual(results[0]["replay_ratio"], 1.0)
+        self.assertNotIn("replay_ratio", results[1])  # not a glake run
+        self.assertNotIn("replay_ratio", results[2])  # no trace
+        rows = [line for line in finetune.markdown(results, "cmd").splitlines() if line.startswith("| ")]
+        self.assertTrue(rows[0].endswith("| glake replayed GB | replay within 2% |"))
+        self.assertTrue(next(r for r in rows if r.startswith("| opt1.3b R")).endswith("| 0.02 | yes (1.000) |"))
+        self.assertTrue(next(r for r in rows if r.startswith("| llama1b R")).endswith("| - | - |"))
+
+
+class Report(unittest.TestCase):
+    def test_markdown_rows_columns_and_targets(self):
+        results = []
+        for allocator in finetune.ALLOCATORS:
+            results.append(dict(model="opt1.3b", strategy="R", allocator=allocator, status="ok", gpu="Fake H100",
+                                **numbers("opt1.3b", "R", allocator)))
+        # a second workload where glake misses every target, and one where glake ran out of memory
+        for allocator, reserved, step, active in (("default", 10, 0.2, 9), ("expandable", 10, 0.2, 9), ("glake", 11, 0.3, 9)):
+            results.append(dict(model="llama1b", strategy="LR", allocator=allocator, status="ok", peak_active_bytes=active * GB,
+                                peak_reserved_bytes=reserved * GB, utilization=active / reserved, median_step_s=step))
+        results.append(dict(model="pythia2.8b", strategy="N", allocator="glake", status="oom", peak_active_bytes=70 * GB,
+                            peak_reserved_bytes=79 * GB, utilization=70 / 79, median_step_s=None))
+        table = finetune.markdown(results, "python3 bench/torch/finetune.py --steps 14")
+        lines = table.splitlines()
+        self.assertIn("    python3 bench/torch/finetune.py --steps 14", lines)
+        header = next(line for line in lines if line.startswith("| workload"))
+        self.assertIn("| default: reserved GB |", header)
+        self.assertTrue(header.endswith("| reserved ≤ expandable | util ≥ 0.97 | step ≤ 1.02× default |"))
+        rows = {line.split(" | ")[0][2:]: line for line in lines if line.startswith("| ") and not line.startswith("| workload")}
+        self.assertEqual(set(rows), {"opt1.3b R", "llama1b LR", "pythia2.8b N"})
+        self.assertIn("| 30.00 |", rows["opt1.3b R"])
+        self.assertTrue(rows["opt1.3b R"].endswith("| yes (0.875) | yes (0.986) | yes (1.010) |"))
+        self.assertTrue(rows["llama1b LR"].endswith("| NO (1.100) | NO (0.818) | NO (1.500) |"))
+        self.assertIn("79.00 (OOM)", rows["pythia2.8b N"])
+        self.assertTrue(rows["pythia2.8b N"].endswith("| - | - | - |"))
+        for line in lines:
+            if line.startswith("|"):
+                self.assertEqual(line.count("|"), header.count("|"), line)
+
+    def test_sequence_lengths_and_median(self):
+        lengths = finetune.sequence_lengths(14)
+        self.assertEqual(lengths, finetune.sequence_lengths(14))  # every allocator sees the same
+        self.assertEqual(lengths[:3], finetune.sequence_lengths(3))  # a smoke run sees a prefix
+        self.assertTrue(all(finetune.MIN_LEN <= n <= finetune.MAX_LEN for n in lengths))
+        self.assertGreater(len(set(lengths)), 10)
+        self.assertEqual(finetune.median_step([9.0, 8.0, 1.0, 2.0, 3.0]), 2.0)  # steps 1 and 2 ignored
+        self.assertEqual(finetune.median_step([5.0, 1.0]), 3.0)
+
+    def test_oom_recognised_in_torch_and_glake_errors(self):
+        class OutOfMemoryError(RuntimeError):
+            pass
+
+        self.assertTrue(finetune.is_oom(OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")))
+        self.assertTrue(finetune.is_oom(RuntimeError("glake::stitching_allocator: out of memory allocating 2.00 GiB")))
+        self.assertFalse(finetune.is_oom(RuntimeError("CUDA error: an illegal memory access was encountered")))
+
+    def test_help_and_bad_lists_need_no_torch(self):
+        script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "finetune.py")
+        env = dict(os.environ, PYTHONPATH="")
+        shown = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, env=env)
+        self.assertEqual(shown.returncode, 0)
+        self.assertIn("--fsdp N", shown.stdout)
+        refused = subprocess.run([sys.executable, script, "--strategies", "R,X"], capture_output=True, text=True, env=env)
+        self.assertEqual(refused.returncode, 2)
+        self.assertIn("X: choose from N,R,LR,LO", refused.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
