@@ -42,6 +42,7 @@ import json
 import os
 import random
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -124,6 +125,11 @@ def child(args):
         with open(args.result_file.replace("{rank}", str(rank)), "w") as f:
             f.write(text + "\n")
     print("RESULT " + text, flush=True)
+    if args.fsdp and result["status"] != "ok":
+        # The other ranks may wait in a collective for this one: exit at once and non-zero, so that
+        # torchrun stops them instead of letting them wait for NCCL's timeout.
+        sys.stderr.flush()
+        os._exit(3)
     return 0 if result["status"] in ("ok", "oom") else 1
 
 
@@ -164,7 +170,9 @@ def run_training(args, result, device):
     if args.fsdp:
         import torch.distributed as dist
 
-        dist.init_process_group("nccl", device_id=torch.device("cuda", device))
+        import datetime
+
+        dist.init_process_group("nccl", device_id=torch.device("cuda", device), timeout=datetime.timedelta(seconds=180))
 
     spec = dict(MODELS[args.model])
     config = getattr(transformers, CONFIG_CLASSES[spec.pop("kind")])(**spec)
@@ -245,7 +253,7 @@ def run_training(args, result, device):
             memory_peaks(torch, glake, device, result)
         except Exception as error:  # noqa: BLE001
             result["stats_error"] = f"{type(error).__name__}: {error}"[:500]
-        if dist is not None and dist.is_initialized():
+        if dist is not None and dist.is_initialized() and result["status"] == "ok":
             try:
                 dist.barrier()
                 dist.destroy_process_group()
@@ -355,11 +363,7 @@ def drive(args, driver_command):
         started = time.time()
         log_path = os.path.join(log_dir, name + ".log")
         with open(log_path, "w") as log:
-            try:
-                code = subprocess.run(command, env=child_environment(allocator, trace), stdout=log, stderr=subprocess.STDOUT,
-                                      timeout=args.timeout).returncode
-            except subprocess.TimeoutExpired:
-                code = "timeout"
+            code = run_child(command, child_environment(allocator, trace), log, args.timeout)
         found = []
         for rank in range(args.fsdp or 1):
             path = result_file.replace("{rank}", str(rank))
@@ -384,6 +388,18 @@ def drive(args, driver_command):
             print("    --- log tail ---\n" + tail, file=sys.stderr, flush=True)
         print(f"    ({time.time() - started:.0f} s)", file=sys.stderr, flush=True)
     return results
+
+
+def run_child(command, env, log, timeout):
+    """Runs one child (or torchrun and its workers) in a session of its own, so that a timeout
+    kills all of them and no worker is left holding GPU memory. Returns the exit code or "timeout"."""
+    with subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True) as process:
+        try:
+            return process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            return "timeout"
 
 
 def one_line(r):

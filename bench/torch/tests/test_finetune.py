@@ -25,19 +25,19 @@ def value_after(command, option):
 
 
 class FakeChildren:
-    """Stands in for subprocess.run: records each command and environment and writes the result
+    """Stands in for run_child: records each command and environment and writes the result
     files the child (each rank) would, with numbers from `numbers(model, strategy, allocator)`."""
 
     def __init__(self, numbers, missing=()):
         self.numbers, self.missing, self.calls = numbers, set(missing), []
 
-    def __call__(self, command, env, stdout, stderr, timeout):
+    def __call__(self, command, env, log, timeout):
         self.calls.append((command, env))
         allocator = value_after(command, "--allocator")
         model, strategy = value_after(command, "--model"), value_after(command, "--strategy")
-        stdout.write(f"child output of {model} {strategy} {allocator}\n")
+        log.write(f"child output of {model} {strategy} {allocator}\n")
         if (model, strategy, allocator) in self.missing:
-            return subprocess.CompletedProcess(command, 1)
+            return 1
         ranks = int(next((c.split("=")[1] for c in command if c.startswith("--nproc_per_node=")), "1"))
         for rank in range(ranks):
             result = dict(model=model, strategy=strategy, allocator=allocator, rank=rank, fsdp=ranks > 1,
@@ -45,7 +45,7 @@ class FakeChildren:
             result.update(self.numbers(model, strategy, allocator))
             with open(value_after(command, "--result-file").replace("{rank}", str(rank)), "w") as f:
                 f.write(json.dumps(result) + "\n")
-        return subprocess.CompletedProcess(command, 0)
+        return 0
 
 
 def numbers(model, strategy, allocator):
@@ -57,7 +57,7 @@ def numbers(model, strategy, allocator):
 
 class Driver(unittest.TestCase):
     def run_driver(self, argv, children):
-        with tempfile.TemporaryDirectory() as directory, mock.patch.object(finetune.subprocess, "run", children), \
+        with tempfile.TemporaryDirectory() as directory, mock.patch.object(finetune, "run_child", children), \
                 contextlib.redirect_stderr(io.StringIO()) as progress:
             out = os.path.join(directory, "results.jsonl")
             args = finetune.parse(argv + ["--out", out, "--log-dir", os.path.join(directory, "logs"),
@@ -110,6 +110,33 @@ class Driver(unittest.TestCase):
         self.assertEqual(glake_env["GLAKE_TRACE"], os.path.join(directory, "traces", "pythia2.8b-LR-fsdp2-dev%d.trace"))
         self.assertEqual(sorted((r["allocator"], r["rank"]) for r in results),
                          [("default", 0), ("default", 1), ("glake", 0), ("glake", 1)])
+
+    def test_a_timeout_kills_the_child_and_its_workers(self):
+        def alive(pid):
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    return "\nState:\tZ" not in f.read()  # a zombie is dead
+            except FileNotFoundError:
+                return False
+
+        with tempfile.TemporaryDirectory() as directory:
+            pid_file = os.path.join(directory, "worker.pid")
+            launcher = ("import subprocess, sys, time\n"
+                        "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+                        f"open({pid_file!r}, 'w').write(str(worker.pid))\n"
+                        "time.sleep(120)\n")
+            with open(os.path.join(directory, "log"), "w") as log:
+                started = finetune.time.time()
+                self.assertEqual(finetune.run_child([sys.executable, "-c", launcher], dict(os.environ), log, 2), "timeout")
+                self.assertLess(finetune.time.time() - started, 60)
+                self.assertEqual(finetune.run_child([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), log, 60), 3)
+            with open(pid_file) as f:
+                worker = int(f.read())
+            for _ in range(50):
+                if not alive(worker):
+                    break
+                finetune.time.sleep(0.1)
+            self.assertFalse(alive(worker))
 
     def test_budget_stops_starting_runs(self):
         children = FakeChildren(numbers)
