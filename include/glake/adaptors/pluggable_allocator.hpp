@@ -78,6 +78,18 @@ inline constexpr std::array<std::string_view, 27> pluggable_stat_names = {
     "driver_address_free", "driver_map",          "driver_unmap",        "driver_set_access",
     "lifetime_peak_active_bytes", "lifetime_peak_reserved_bytes", "errors"};
 
+namespace detail {
+// The names after the 17 plain statistics are the driver calls in the order of `driver_call`.
+constexpr bool driver_call_names_match() {
+  for (std::size_t k = 0; k < driver_call_kinds; ++k) {
+    const std::string_view name = pluggable_stat_names[17 + k];
+    if (name.substr(0, 7) != "driver_" || name.substr(7) != to_string(static_cast<driver_call>(k))) return false;
+  }
+  return pluggable_stat_names.size() == 17 + driver_call_kinds + 3;
+}
+static_assert(driver_call_names_match(), "pluggable_stat_names is out of step with statistics");
+}  // namespace detail
+
 /// Writes one device's requests in the line format glake-replay reads (traces/README.md):
 /// `a,<id>,<bytes>,<stream>` for each allocation (the bytes asked for), `f,<id>` for each free,
 /// and `S,<bytes>` / `U,<bytes>` whenever the allocator's reserved bytes rose or fell, so the
