@@ -15,10 +15,14 @@ cxx=${CXX:-g++}
 deps=()
 [[ -d .device-deps/include ]] && deps=(-isystem .device-deps/include)
 mkdir -p "$(dirname "$out")"
+# --exclude-libs,ALL and -Bsymbolic: where the compiler links its C++ runtime statically (the GPU
+# machine's g++ does), the copy inside the plug-in must stay private; exported, its symbols bind
+# to the process's own libstdc++ (torch's) half-way and the first exception or string crashes.
 # -lcuda links against the driver (its stub where the real one has no libcuda.so link); at run
 # time the real libcuda.so.1 is loaded. GLAKE_CHECKED=1 as in the CMake build: bad frees are caught.
 "$cxx" -std=c++20 -O2 -g -shared -fPIC -fvisibility=hidden -Wall -Wextra -DGLAKE_CHECKED=1 \
   -Iinclude -Iadaptors/torch "${deps[@]}" -isystem "$cuda/include" \
   adaptors/torch/glake_torch.cpp \
-  -L"$cuda/lib64" -L"$cuda/lib" -L"$cuda/lib64/stubs" -L"$cuda/lib/stubs" -lcuda -o "$out"
+  -L"$cuda/lib64" -L"$cuda/lib" -L"$cuda/lib64/stubs" -L"$cuda/lib/stubs" -lcuda \
+  -Wl,--exclude-libs,ALL -Wl,-Bsymbolic -o "$out"
 echo "built $out ($("$cxx" --version | head -1))"
