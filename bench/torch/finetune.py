@@ -353,7 +353,7 @@ def drive(args, driver_command):
             common.append("--progress")
         if args.fsdp:
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.fsdp}"]
-            command += common + ["--fsdp"]
+            command += common + ["--fsdp", str(args.fsdp)]
         else:
             command = [sys.executable] + common
         if args.budget and time.time() - begun > args.budget:

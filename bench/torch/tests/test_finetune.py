@@ -105,6 +105,7 @@ class Driver(unittest.TestCase):
         for command, env in children.calls:
             self.assertEqual(command[1:5], ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"])
             self.assertIn("--fsdp", command)
+            self.assertEqual(command[command.index("--fsdp") + 1], "2")  # the child needs N too
             self.assertNotEqual(env.get("PYTORCH_CUDA_ALLOC_CONF"), "garbage_collection_threshold:0.6")
         glake_env = children.calls[1][1]
         self.assertEqual(glake_env["GLAKE_TRACE"], os.path.join(directory, "traces", "pythia2.8b-LR-fsdp2-dev%d.trace"))
