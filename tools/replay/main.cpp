@@ -212,7 +212,7 @@ int main(int argc, char** argv) {
         if (!o.plot_dir.empty()) plots.push_back({r.allocator, std::move(r.reserved_series), std::move(r.active_series)});
       }
       if (!o.json && t.recorded_peak_reserved > 0) {
-        std::printf("%-14s %-20s %9s %11.3f   (PyTorch's own peak reserved, from the trace's S/U lines)\n",
+        std::printf("%-14s %-20s %9s %11.3f   (the recorded run's own peak reserved, from the trace's S/U lines)\n",
                     t.name.c_str(), "recorded", "", static_cast<double>(t.recorded_peak_reserved) / 1e9);
       }
       if (!o.plot_dir.empty()) {
