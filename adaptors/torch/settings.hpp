@@ -11,15 +11,14 @@
 namespace glake::torch_plugin {
 
 /// glake-replay's "glake" settings (tools/replay/configurations.hpp, glake_config()): stitch any
-/// request no free block serves, grow only the shortfall, reuse cached stitches up to 2x, keep at
-/// most 8 GiB of them. A trace recorded by the plug-in therefore replays under the same rules.
+/// request no free block serves, grow only the shortfall, reuse cached stitches up to 2x, keep
+/// cached stitches mapped (auto_gc stays at its default). A trace recorded by the plug-in therefore replays under the same rules.
 /// They are GMLake knobs, so they are supplied as GMLake's variables when the process does not
 /// set those: a variable the process sets wins, and GLAKE_ALLOC_CONF wins over both.
 inline constexpr std::pair<const char*, const char*> default_variables[] = {
     {"fragLimit", "2097152"},  // frag_limit:2MiB
     {"reAlloc", "1"},          // grow_stitch:true
     {"reuseLimit", "2"},       // reuse_limit:2
-    {"autoGC", "8"},           // auto_gc:8GiB
 };
 
 /// The plug-in's settings read through `getenv(name)` (null when unset); throws config_error

@@ -130,15 +130,17 @@ inline config gmlake_config() {
 }
 
 /// glake's composition: stitch whatever no free block serves, grow only the shortfall, keep the
-/// small pool inside the stitching pool so its empty blocks return to it. 2 MiB handles: larger
-/// ones (max_handle) cut driver calls but strand memory stitching cannot use (see
-/// bench/results/replay.md for the measured trade-off).
+/// small pool inside the stitching pool so its empty blocks return to it, keep cached stitched
+/// ranges mapped (auto_gc at its default, 1000 GiB: they cost address space, not memory, and
+/// unmapping them cost ~20 us per handle during training steps; on the H100 an 8 GiB cap made
+/// recompute and LoRA steps 7-13% slower than PyTorch's, see bench/results/finetune.md).
+/// 2 MiB handles: larger ones (max_handle) cut driver calls but strand memory stitching cannot use
+/// (see bench/results/replay.md for the measured trade-off).
 inline config glake_config() {
   config cfg;
   cfg.frag_limit = 2 * MiB;
   cfg.grow_stitch = true;
   cfg.reuse_limit = 2.0;
-  cfg.auto_gc = 8 * GiB;
   return cfg;
 }
 
