@@ -409,3 +409,23 @@ TEST_CASE("rollback: a failure while the small pool grows leaves everything as i
       4 * GiB, config{}, [](faulty_stitching&, const sim_device&) {}, 1000);
   CHECK(sites >= 4);  // a create, a reserve, a map, a set-access
 }
+
+TEST_CASE("stitching: reset_peaks restarts the peaks from now and returns the statistics before") {
+  sim_device device(GiB, 2 * M);
+  stitching_allocator<sim_provider, sim_reserver> a(sim_provider{device}, sim_reserver{device});
+  void* big = a.allocate(64 * M);
+  void* small = a.allocate(8 * M);
+  a.deallocate(big, 64 * M);
+  const statistics before = a.reset_peaks();
+  CHECK(before.peak_active_bytes == 72 * M);
+  CHECK(before.peak_reserved_bytes == 72 * M);
+  const statistics now = a.stats();
+  CHECK(now.peak_active_bytes == 8 * M);
+  CHECK(now.peak_allocated_bytes == 8 * M);
+  CHECK(now.peak_reserved_bytes == now.reserved_bytes);
+  void* again = a.allocate(16 * M);
+  CHECK(a.stats().peak_active_bytes == 24 * M);
+  a.deallocate(again, 16 * M);
+  a.deallocate(small, 8 * M);
+  a.verify();
+}

@@ -47,6 +47,7 @@ namespace glake {
 // | ca.stats()            | statistics | maybe  | the allocator's accounting
 // | ca.reserved_bytes()   | size_t     | maybe  | physical bytes held now
 // | ca.owns(p)            | bool       | maybe  | p is a live allocation of this allocator
+// | a.reset_peaks()       | statistics | maybe  | peaks restart from now; the statistics before
 //
 // Optional: a.record_stream(p, s) (PyTorch's record_stream), forwarded when present.
 // Every call may come from any thread, so the allocator must lock (e.g. `mutex_lock`).
@@ -59,6 +60,7 @@ concept pluggable_allocatable = requires(A& a, const A& ca, void* p, std::size_t
   { ca.stats() } -> std::same_as<statistics>;
   { ca.reserved_bytes() } -> std::same_as<std::size_t>;
   { ca.owns(p) } -> std::same_as<bool>;
+  { a.reset_peaks() } -> std::same_as<statistics>;
 };
 
 /// Brackets each per-device operation; a backend whose calls need per-thread state (a CUDA
@@ -252,13 +254,12 @@ inline std::string trace_file_name(std::string_view pattern, int device, long pi
 /// memory, a driver error, a bad device id, a factory that throws); `allocate_or_throw` writes the
 /// same line and rethrows, for callers whose own error path is an exception. `deallocate` of a
 /// pointer that is not live on that device logs and counts an error (stat "errors") and changes
-/// nothing. Peaks can be reset (reset_peak): from then on the reported peaks are the highest values
-/// seen after each allocation on this adaptor, exact when one thread allocates; the allocator's own
-/// lifetime peaks stay readable. When `trace_pattern` is set, each device's requests are written to
+/// nothing. Peaks can be reset (reset_peak, the allocator's reset_peaks); the lifetime peaks stay
+/// readable (the highest of the peaks before each reset and the current one). When `trace_pattern` is set, each device's requests are written to
 /// trace_file_name(pattern, device, pid, rank) by a trace_recorder.
 ///
-/// Complexity: one registry lookup (an atomic load) around each allocator call; with peaks reset
-/// or a trace recording, one more locked call to the allocator per allocation.
+/// Complexity: one registry lookup (an atomic load) around each allocator call; with a trace
+/// recording, one more locked call to the allocator per allocation and per free.
 /// Thread safety: every member may be called from any thread; allocators must lock themselves.
 /// Streams: passed through; record_stream goes to the device whose allocator owns the pointer.
 /// DeviceScope: constructed around each allocator call with the device id (see no_device_scope).
@@ -370,10 +371,9 @@ class pluggable_allocator {
   /// From now on, peaks are measured from the current values (on `device`, or all when negative).
   void reset_peak(int device) noexcept {
     each_device(device, "resetting peaks", [](slot& s) {
-      const statistics now = s.allocator->stats();
-      s.window_active.store(now.active_bytes, std::memory_order_relaxed);
-      s.window_reserved.store(now.reserved_bytes, std::memory_order_relaxed);
-      s.window_open.store(true, std::memory_order_release);
+      const statistics before = s.allocator->reset_peaks();
+      slot::raise(s.lifetime_active, before.peak_active_bytes);
+      slot::raise(s.lifetime_reserved, before.peak_reserved_bytes);
     });
   }
 
@@ -387,22 +387,19 @@ class pluggable_allocator {
       if (s != nullptr) {
         DeviceScope scope(device);
         const statistics st = s->allocator->stats();
-        const bool window = s->window_open.load(std::memory_order_acquire);
         std::size_t i = 0;
         for (const std::uint64_t value :
-             {std::uint64_t{st.active_bytes},
-              std::uint64_t{window ? s->window_active.load() : st.peak_active_bytes},
+             {std::uint64_t{st.active_bytes}, std::uint64_t{st.peak_active_bytes},
               std::uint64_t{st.allocated_bytes}, std::uint64_t{st.peak_allocated_bytes},
-              std::uint64_t{st.reserved_bytes},
-              std::uint64_t{window ? s->window_reserved.load() : st.peak_reserved_bytes},
+              std::uint64_t{st.reserved_bytes}, std::uint64_t{st.peak_reserved_bytes},
               std::uint64_t{st.cached_stitch_bytes}, st.allocations, st.deallocations, st.failed_allocations,
               st.splits, st.merges, st.segments_created, st.segments_released, st.stitches,
               st.stitch_cache_hits, st.stitch_evictions}) {
           v[i++] = value;
         }
         for (const std::uint64_t calls : st.driver_calls.counts) v[i++] = calls;
-        v[i++] = st.peak_active_bytes;
-        v[i++] = st.peak_reserved_bytes;
+        v[i++] = std::max<std::uint64_t>(s->lifetime_active.load(std::memory_order_relaxed), st.peak_active_bytes);
+        v[i++] = std::max<std::uint64_t>(s->lifetime_reserved.load(std::memory_order_relaxed), st.peak_reserved_bytes);
       }
     } catch (const usage_error&) {
       return 0;  // device id out of range
@@ -434,14 +431,10 @@ class pluggable_allocator {
   struct slot {
     std::unique_ptr<Allocator> allocator;
     std::unique_ptr<trace_recorder> trace;
-    std::atomic<bool> window_open{false};
-    std::atomic<std::size_t> window_active{0};
-    std::atomic<std::size_t> window_reserved{0};
+    // The highest peaks seen before the last reset_peak (the allocator's own restart there).
+    std::atomic<std::size_t> lifetime_active{0};
+    std::atomic<std::size_t> lifetime_reserved{0};
 
-    void observe(const statistics& now) noexcept {
-      raise(window_active, now.active_bytes);
-      raise(window_reserved, now.reserved_bytes);
-    }
     static void raise(std::atomic<std::size_t>& peak, std::size_t value) noexcept {
       std::size_t seen = peak.load(std::memory_order_relaxed);
       while (seen < value && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
@@ -467,10 +460,9 @@ class pluggable_allocator {
     return s;
   }
 
-  // The window peaks and the trace, once memory was handed out: failures here must not lose it.
+  // The trace, once memory was handed out: failures here must not lose it.
   void after_allocate(slot& s, void* p, std::size_t bytes, stream_ref stream) noexcept {
     try {
-      if (s.window_open.load(std::memory_order_acquire)) s.observe(s.allocator->stats());
       if (s.trace) s.trace->allocated(p, bytes, stream, s.allocator->reserved_bytes());
     } catch (const std::exception& e) {
       error("glake: bookkeeping after allocating %p failed: %s", p, e.what());

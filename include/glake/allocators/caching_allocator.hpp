@@ -106,6 +106,15 @@ class caching_allocator {
     return stats_locked();
   }
 
+  /// Peaks (active, allocated, reserved) start again from the current values; returns the
+  /// statistics as they were just before, so no peak between reading and resetting is lost.
+  statistics reset_peaks() {
+    std::lock_guard guard(lock_);
+    const statistics before = stats_locked();
+    counters_.reset_peaks();
+    return before;
+  }
+
   /// True when `p` is the start of a live block of this allocator.
   bool owns(const void* p) const {
     std::lock_guard guard(lock_);

@@ -261,6 +261,15 @@ class stitching_allocator {
     return stats_locked();
   }
 
+  /// Peaks (active, allocated, reserved) start again from the current values; returns the
+  /// statistics as they were just before, so no peak between reading and resetting is lost.
+  statistics reset_peaks() {
+    std::lock_guard guard(lock_);
+    const statistics before = stats_locked();
+    counters_.reset_peaks();
+    return before;
+  }
+
   /// True when `p` is a live allocation of this allocator (small, primitive or stitched).
   bool owns(const void* p) const {
     std::lock_guard guard(lock_);

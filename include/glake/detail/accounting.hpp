@@ -46,6 +46,12 @@ struct usage_counters {
     s.reserved_bytes -= bytes;
     ++s.segments_released;
   }
+  /// Peaks start again from the current values.
+  void reset_peaks() noexcept {
+    s.peak_active_bytes = s.active_bytes;
+    s.peak_allocated_bytes = s.allocated_bytes;
+    s.peak_reserved_bytes = s.reserved_bytes;
+  }
 };
 
 inline std::string pointer_text(const void* p) {
