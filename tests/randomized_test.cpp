@@ -183,7 +183,7 @@ TEST_CASE("randomized: GMLake's default knobs, largest-first stitching, largest-
 }
 
 TEST_CASE("randomized: defragLevel 2 stitches only as the last resort") {
-  sim_device device(5 * GiB);
+  sim_device device(4 * GiB + 512 * MiB);
   config cfg;
   cfg.frag_limit = 64 * MiB;
   cfg.defrag_level = 2;
@@ -199,7 +199,7 @@ TEST_CASE("randomized: the caching allocator under the same sequences") {
 }
 
 TEST_CASE("randomized: handles of varying size (max_handle) stitch only whole handles, invariants after each") {
-  sim_device device(6 * GiB);
+  sim_device device(5 * GiB + 512 * MiB);
   config cfg;
   cfg.frag_limit = 0;
   cfg.grow_stitch = true;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <limits>
 #include <mutex>
 #include <stdexcept>
@@ -58,12 +59,17 @@ namespace glake {
 /// stitch costs O(k log n) for k pieces plus one driver map per chunk. No heap allocation on the
 /// cached path once warm.
 /// Thread safety: as the Lock policy; one lock per public call.
-/// Streams: blocks, chunks and stitches belong to the stream whose segment they came from and are
-/// reused on it at once. On backends with events (stream_ordered_reserver, e.g. CUDA), an
-/// allocation marked with record_stream is freed only once the work queued on those streams has
-/// completed; a cached stitched range is unmapped only once the work queued before its free has
-/// completed; physical memory is released only after the device is synchronized. Memory moves to
-/// another stream only through release and re-creation under pressure, as in PyTorch.
+/// Streams: free blocks, and the stitches built from them, belong to a stream and are reused on it
+/// at once. A request that its own stream cannot serve from free memory takes other streams'
+/// free blocks whose frees have completed (the work queued on their stream before the free is
+/// done) before it stitches or grows: the best fit if one block will do, else the largest ones
+/// until they cover it. On backends with events (stream_ordered_reserver, e.g. CUDA) "completed"
+/// is an event recorded on the freeing stream, lazily, when another stream next allocates or
+/// looks for memory, so one event covers many frees; without events (host, sim) a free completes
+/// when it returns. An allocation marked with record_stream is freed only once the work queued on
+/// those streams has completed; a cached stitched range is unmapped only once the work queued
+/// before its free has completed; physical memory is released only after the device is
+/// synchronized.
 /// Errors: allocate throws out_of_memory (state unchanged, allocator usable); try_allocate returns
 /// null; misuse throws usage_error; a backend failure throws its error after a full rollback.
 template <physical_provider Provider, address_reserver_for<Provider> Reserver,
@@ -91,6 +97,16 @@ class stitching_allocator {
     std::size_t bytes;
     stream_ref stream;
     std::vector<event_type> events;
+  };
+
+  // A stream's clock: frees on it are marked with `next`; an event recorded for that mark (when
+  // `dirty`) tells when they have completed; every mark up to `done` has.
+  struct stream_clock {
+    stream_ref stream;
+    std::uint64_t next = 1;
+    std::uint64_t done = 0;
+    bool dirty = false;
+    std::deque<std::pair<std::uint64_t, event_type>> in_flight;
   };
 
   struct segment : eviction_hook {
@@ -200,6 +216,7 @@ class stitching_allocator {
     handle_sizes_.reserve(64);
     plan_.picks.reserve(max_candidates);
     pinned_.reserve(256);
+    adoptable_.reserve(max_candidates);
   }
   stitching_allocator(const stitching_allocator&) = delete;
   stitching_allocator& operator=(const stitching_allocator&) = delete;
@@ -389,6 +406,7 @@ class stitching_allocator {
     if constexpr (has_events) {
       if (!pending_.empty()) finish_pending_frees(false);
     }
+    if (clocks_.empty() || stream != current_stream_) enter_stream(stream);
     if (bytes <= config_.small_limit) {
       void* p = small_.allocate_unlocked(bytes, stream);
       if (p != nullptr) counters_.on_allocate(bytes, detail::round_up(bytes, config_.round_to));
@@ -402,6 +420,9 @@ class stitching_allocator {
     if (config_.stitching) {
       if (void* p = reuse_stitch(size, bytes, stream)) return p;
     }
+    if (adopt(size, stream, false)) {
+      if (block_type* b = arena_.best_fit(stream, size)) return hand_out(b, size, bytes);
+    }
     const bool may_stitch = config_.stitching && size >= config_.frag_limit;
     for (int rung = 0; rung <= 2; ++rung) {
       if (may_stitch && rung >= config_.defrag_level) {
@@ -411,6 +432,11 @@ class stitching_allocator {
         // Empty small-pool blocks cost nothing to take back and may merge into a fit.
         if (small_.release_free_segments(~std::size_t{0}) > 0) {
           if (block_type* b = arena_.best_fit(stream, size)) return hand_out(b, size, bytes);
+        }
+        // Other streams' completed free blocks, gathered until they cover the request.
+        if (may_stitch && adopt(size, stream, true)) {
+          if (block_type* b = arena_.best_fit(stream, size)) return hand_out(b, size, bytes);
+          if (void* p = stitch(size, bytes, stream, false)) return p;
         }
       } else if (rung == 1) {
         if constexpr (has_events) {
@@ -461,6 +487,7 @@ class stitching_allocator {
     return nullptr;
   }
 
+  // Free on the range's own stream: a block another stream has taken over is that stream's.
   bool prefix_free(const stitched& s, std::size_t size) noexcept {
     std::size_t need = size;
     for (const piece& pc : s.pieces) {
@@ -468,7 +495,7 @@ class stitching_allocator {
       const std::size_t take = std::min(pc.size, need);
       const std::uintptr_t at = pc.home->mapping.base + pc.offset;
       const block_type* b = arena_.containing(at);
-      if (b == nullptr || !b->free || b->end() < at + take) return false;
+      if (b == nullptr || !b->free || b->stream != s.stream || b->end() < at + take) return false;
       need -= take;
     }
     return need == 0;
@@ -634,6 +661,7 @@ class stitching_allocator {
   bool lend_to_small(std::size_t bytes, stream_ref stream, typename small_source::lease_type& out) {
     arena_.reserve_nodes(1);
     block_type* b = arena_.best_fit(stream, bytes);
+    if (b == nullptr && adopt(bytes, stream, false)) b = arena_.best_fit(stream, bytes);
     if (b == nullptr) b = add_segment(bytes, stream);
     if (b == nullptr) {
       // Under pressure, cached mappings and fully free large segments make room for small ones.
@@ -651,7 +679,7 @@ class stitching_allocator {
 
   void return_from_small(typename small_source::lease_type& lease) noexcept {
     block_type* b = arena_.find(lease.base);
-    enter_free_queue(arena_.give_back(b));
+    enter_free_queue(arena_.give_back(b, mark_free(b->stream)));
   }
 
   // ------------------------------------------------------------------ deallocation
@@ -749,7 +777,7 @@ class stitching_allocator {
       if (b->requested != bytes) detail::throw_size_mismatch(name, p, bytes, b->requested);
 #endif
       counters_.on_deallocate(b->requested, b->size);
-      enter_free_queue(arena_.give_back(b));
+      enter_free_queue(arena_.give_back(b, mark_free(b->stream)));
       return;
     }
     auto it = stitch_by_address_.find(address, stitch_by_address{});
@@ -775,9 +803,10 @@ class stitching_allocator {
   }
 
   void release_stitch(stitched& s) noexcept {
+    const std::uint64_t mark = mark_free(s.stream);
     for (piece& pc : s.pieces) {
       if (pc.claimed == nullptr) continue;
-      enter_free_queue(arena_.give_back(pc.claimed));
+      enter_free_queue(arena_.give_back(pc.claimed, mark));
       pc.claimed = nullptr;
     }
     counters_.on_deallocate(s.requested, s.claimed_bytes);
@@ -800,6 +829,163 @@ class stitching_allocator {
     if (counters_.s.cached_stitch_bytes > config_.auto_gc) {
       evict_stitches(counters_.s.cached_stitch_bytes - config_.auto_gc, false);
     }
+  }
+
+  // ------------------------------------------------------------------ streams
+  // The mark for a free on `stream` now (see stream_clock); 0 without events.
+  std::uint64_t mark_free(stream_ref stream) noexcept {
+    if constexpr (has_events) {
+      stream_clock* c = clock_of(stream);
+      if (c == nullptr) return ~std::uint64_t{0};  // unknown stream: moves only after a synchronize
+      c->dirty = true;
+      return c->next;
+    } else {
+      return 0;
+    }
+  }
+
+  stream_clock* clock_of(stream_ref stream) noexcept {
+    for (stream_clock& c : clocks_) {
+      if (c.stream == stream) return &c;
+    }
+    return nullptr;
+  }
+
+  // An allocation on a stream other than the last one: the frees other streams made since their
+  // last event get one now, so that by the time memory is short they have likely completed.
+  void enter_stream(stream_ref stream) {
+    if (clock_of(stream) == nullptr) {
+      stream_clock c;
+      c.stream = stream;
+      clocks_.push_back(std::move(c));
+    }
+    current_stream_ = stream;
+    if constexpr (has_events) {
+      for (stream_clock& c : clocks_) {
+        if (c.stream != stream) tick(c);
+      }
+    }
+  }
+
+  // Records an event for `c`'s unrecorded frees and advances `done` past completed events.
+  void tick([[maybe_unused]] stream_clock& c) noexcept {
+    if constexpr (has_events) {
+      if (c.dirty) {
+        try {
+          const event_type e = backend_.reserver().record_event(c.stream);
+          try {
+            c.in_flight.emplace_back(c.next, e);
+            ++c.next;
+            c.dirty = false;
+          } catch (...) {
+            backend_.reserver().recycle_event(e);
+          }
+        } catch (...) {
+          // Not recorded: those frees stay with their stream until a later tick.
+        }
+      }
+      while (!c.in_flight.empty()) {
+        bool complete = false;
+        try {
+          complete = backend_.reserver().event_done(c.in_flight.front().second);
+        } catch (...) {
+          complete = false;
+        }
+        if (!complete) break;
+        c.done = c.in_flight.front().first;
+        backend_.reserver().recycle_event(c.in_flight.front().second);
+        c.in_flight.pop_front();
+      }
+    }
+  }
+
+  // The device is synchronized: every free so far has completed.
+  void synchronize_all() noexcept {
+    if constexpr (has_events) {
+      backend_.reserver().synchronize_device();
+      for (stream_clock& c : clocks_) {
+        for (const auto& [mark, e] : c.in_flight) backend_.reserver().recycle_event(e);
+        c.in_flight.clear();
+        c.done = c.next;
+        ++c.next;
+        c.dirty = false;
+      }
+    }
+  }
+
+  bool completed([[maybe_unused]] const block_type& b) noexcept {
+    if constexpr (has_events) {
+      const stream_clock* c = clock_of(b.stream);
+      return c != nullptr && b.free_mark <= c->done;
+    } else {
+      return true;
+    }
+  }
+
+  // Moves other streams' completed free blocks to `stream`: the best fit for `size` when one
+  // block will do; else, when `gather`, the largest until their whole handles cover `size`.
+  // True when anything moved.
+  bool adopt(std::size_t size, stream_ref stream, bool gather) noexcept {
+    if (clocks_.size() < 2) return false;
+    block_type* best = nullptr;
+    for (stream_clock& c : clocks_) {
+      if (c.stream == stream) continue;
+      tick(c);
+      block_type* b = arena_.best_fit_if(c.stream, size, max_reuse_probes,
+                                         [&](const block_type& x) { return completed(x); });
+      if (b != nullptr && (best == nullptr || b->size < best->size)) best = b;
+    }
+    if (best != nullptr) {
+      move_to(best, stream);
+      return true;
+    }
+    if (!gather) return false;
+    adoptable_.clear();
+    for (stream_clock& c : clocks_) {
+      if (c.stream == stream) continue;
+      arena_.for_each_free_largest_first(c.stream, [&](block_type& b) {
+        if (completed(b) && whole_handles_of(b).size > 0) adoptable_.push_back(&b);
+        return adoptable_.size() < adoptable_.capacity();
+      });
+    }
+    std::stable_sort(adoptable_.begin(), adoptable_.end(),
+                     [](const block_type* a, const block_type* b) { return a->size > b->size; });
+    std::size_t covered = 0;
+    for (block_type* b : adoptable_) {
+      if (covered >= size) break;
+      covered += whole_handles_of(*b).size;
+      move_to(b, stream);
+    }
+    return covered > 0;
+  }
+
+  void move_to(block_type* b, stream_ref stream) noexcept {
+    const bool was_whole = b->size == b->segment->mapping.size;
+    counters_.s.cross_stream_bytes += b->size;
+    block_type* merged = arena_.restream(b, stream);
+    if (!was_whole) enter_free_queue(merged);
+    mixed_streams_ = true;
+  }
+
+  // Merges free neighbours of different streams (left by moves) so that fully free segments are
+  // whole blocks again; synchronizes the device first when events exist. True if it did.
+  bool merge_across_streams() noexcept {
+    bool synchronized = false;
+    block_type* b = arena_.first();
+    while (b != nullptr) {
+      block_type* n = arena_.next(b);
+      if (n != nullptr && b->free && n->free && n->segment == b->segment && n->stream != b->stream) {
+        if (has_events && !synchronized) {
+          synchronize_all();
+          synchronized = true;
+        }
+        b = arena_.restream(n, b->stream);  // merges into b, which stays the block at b's address
+        enter_free_queue(b);
+        continue;
+      }
+      b = n;
+    }
+    return synchronized;
   }
 
   // ------------------------------------------------------------------ eviction
@@ -864,7 +1050,7 @@ class stitching_allocator {
   // A segment still mapped by a live stitched range stays; cached ranges mapping it are dropped.
   std::size_t release_free_segments(std::size_t bytes) noexcept {
     std::size_t released = 0;
-    [[maybe_unused]] bool synchronized = false;
+    [[maybe_unused]] bool synchronized = mixed_streams_ && merge_across_streams();
     pinned_.clear();
     while (released < bytes) {
       segment* victim = free_segments_.victim();
@@ -879,7 +1065,7 @@ class stitching_allocator {
       if constexpr (has_events) {
         // Never release memory that queued work may still read. Its stream may be gone, so wait
         // for the device, once per call: this is the memory-pressure path, as in PyTorch.
-        if (!synchronized) backend_.reserver().synchronize_device();
+        if (!synchronized) synchronize_all();
         synchronized = true;
       }
       released += victim->mapping.size;
@@ -915,7 +1101,7 @@ class stitching_allocator {
   void release_everything() noexcept {
     if constexpr (has_events) {
       finish_pending_frees(true);
-      backend_.reserver().synchronize_device();
+      synchronize_all();
       for (stitched& st : stitch_by_address_) {
         if (st.has_free_event) backend_.reserver().recycle_event(st.free_event);
         st.has_free_event = false;
@@ -1064,6 +1250,10 @@ class stitching_allocator {
   std::vector<segment*> pinned_;  // segments a live stitch keeps from release (bounded)
   std::vector<std::pair<std::uintptr_t, stream_ref>> extra_uses_;  // record_stream, live allocations
   std::vector<pending_free> pending_;
+  std::vector<stream_clock> clocks_;      // every stream that has allocated here
+  stream_ref current_stream_{};           // of the last allocation
+  bool mixed_streams_ = false;            // free blocks have moved between streams
+  std::vector<block_type*> adoptable_;    // scratch for adopt
   [[no_unique_address]] mutable Lock lock_;
 };
 

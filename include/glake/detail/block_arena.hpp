@@ -2,6 +2,7 @@
 // blocks and an address index of all blocks, with split and coalesce.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
@@ -33,6 +34,8 @@ struct block : by_size_hook, by_address_hook {
   stream_ref stream{};
   std::size_t requested = 0;  ///< what the caller asked for, while the block is live
   void* owner = nullptr;      ///< who holds a live block when it is not the caller directly
+  std::uint64_t free_mark = 0;  ///< while free: the owner's mark for the work queued on `stream`
+                                ///< before the free (0: none); merged blocks keep the latest
   bool free = true;
 
   std::uintptr_t end() const noexcept { return address + size; }
@@ -42,7 +45,9 @@ struct block : by_size_hook, by_address_hook {
 /// in a multiset ordered by (stream, size, address), so best fit is one lower_bound and a
 /// stream's blocks are a contiguous run; every block sits in a set ordered by address, which
 /// gives neighbours for coalescing and the block containing an address. Splits happen at
-/// positions the caller chooses; freed blocks merge with free neighbours of the same segment.
+/// positions the caller chooses; freed blocks merge with free neighbours of the same segment and
+/// stream. A free block may move to another stream (`restream`), so one segment can hold free
+/// blocks of several streams side by side.
 ///
 /// Complexity: O(log n) per operation, no heap allocation once the node pool is warm (callers
 /// that need a no-throw sequence call `reserve_nodes` first).
@@ -110,7 +115,7 @@ class block_arena {
   /// the new end. Needs one node when the last block is live.
   block_type* extend_segment(Segment* segment, std::uintptr_t old_end, std::size_t bytes, stream_ref stream) {
     block_type* last = containing(old_end - 1);
-    if (last != nullptr && last->free && last->segment == segment) {
+    if (last != nullptr && last->free && last->segment == segment && last->stream == stream) {
       free_.erase(free_.iterator_to(*last));
       last->size += bytes;
       free_.insert(*last);
@@ -133,6 +138,17 @@ class block_arena {
     auto it = free_.lower_bound(size_key{stream, size, 0}, size_order{});
     if (it == free_.end() || it->stream != stream) return nullptr;
     return &*it;
+  }
+
+  /// The smallest free block on `stream` of at least `size` bytes for which `pred(block)` holds,
+  /// looking at no more than `probes` blocks; or null.
+  template <class Pred>
+  block_type* best_fit_if(stream_ref stream, std::size_t size, std::size_t probes, Pred&& pred) {
+    for (auto it = free_.lower_bound(size_key{stream, size, 0}, size_order{});
+         it != free_.end() && it->stream == stream && probes > 0; ++it, --probes) {
+      if (pred(*it)) return &*it;
+    }
+    return nullptr;
   }
 
   /// Calls f(block&) for the free blocks of `stream` from the largest down, while f returns true.
@@ -166,31 +182,25 @@ class block_arena {
     return take(b, size);
   }
 
-  /// Returns a live block to the free index, merged with free neighbours of the same segment.
-  /// Returns the resulting free block (which may start before `b`).
-  block_type* give_back(block_type* b) noexcept {
+  /// Returns a live block to the free index, merged with free neighbours of the same segment and
+  /// stream, marked `mark` (see `free_mark`). Returns the resulting free block (which may start
+  /// before `b`).
+  block_type* give_back(block_type* b, std::uint64_t mark = 0) noexcept {
     b->free = true;
     b->requested = 0;
     b->owner = nullptr;
-    if (block_type* n = next(b); n != nullptr && n->free && n->segment == b->segment) {
-      erase_free(n);
-      b->size += n->size;
-      by_address_.erase(by_address_.iterator_to(*n));
-      nodes_.destroy(n);
-      ++merges_;
-    }
-    if (block_type* p = prev(b); p != nullptr && p->free && p->segment == b->segment) {
-      erase_free(p);
-      p->size += b->size;
-      by_address_.erase(by_address_.iterator_to(*b));
-      nodes_.destroy(b);
-      b = p;
-      ++merges_;
-    }
-    b->free = true;  // erase_free cleared it on a merged predecessor
-    free_.insert(*b);
-    free_bytes_ += b->size;
-    return b;
+    b->free_mark = mark;
+    return merge_and_index(b);
+  }
+
+  /// Moves free block `b` to `stream`'s index, merged with that stream's free neighbours; its own
+  /// mark is dropped (the caller has established that its work is done). Returns the resulting
+  /// free block.
+  block_type* restream(block_type* b, stream_ref stream) noexcept {
+    erase_free(b);
+    b->stream = stream;
+    b->free_mark = 0;
+    return merge_and_index(b);
   }
 
   /// The block that starts exactly at `address`, or null.
@@ -222,6 +232,9 @@ class block_arena {
   std::uint64_t splits() const noexcept { return splits_; }
   std::uint64_t merges() const noexcept { return merges_; }
 
+  /// The block at the lowest address, or null.
+  block_type* first() noexcept { return by_address_.empty() ? nullptr : &*by_address_.begin(); }
+
   /// Visits every block in address order (for invariant checks and reports).
   template <class F>
   void for_each_block(F&& f) const {
@@ -229,7 +242,7 @@ class block_arena {
   }
   /// Checks what every owner relies on: each segment's blocks tile [base, base + size) with no
   /// gap (`extent(segment)` gives {base, size}), every free block is indexed where its key says,
-  /// and no two free neighbours of a segment are left unmerged. Calls `fail(what)`, which must
+  /// and no two free neighbours of a segment and stream are left unmerged. Calls `fail(what)`, which must
   /// throw, on the first breach, and `visit(block)` on every block for the owner's own checks.
   template <class Extent, class Fail, class Visit>
   void check_tiling(Extent&& extent, Fail&& fail, Visit&& visit) const {
@@ -246,7 +259,8 @@ class block_arena {
       }
       if (b.free) {
         if (!indexed_as_free(b)) fail("free block not in the best-fit index");
-        if (previous != nullptr && previous->free && previous->segment == b.segment) {
+        if (previous != nullptr && previous->free && previous->segment == b.segment &&
+            previous->stream == b.stream) {
           fail("two free neighbours not coalesced");
         }
       }
@@ -276,6 +290,35 @@ class block_arena {
     return b;
   }
 
+  // Merges free, unindexed block `b` with its free neighbours of the same segment and stream and
+  // indexes the result.
+  block_type* merge_and_index(block_type* b) noexcept {
+    const auto mergeable = [b](const block_type* n) {
+      return n != nullptr && n->free && n->segment == b->segment && n->stream == b->stream;
+    };
+    if (block_type* n = next(b); mergeable(n)) {
+      erase_free(n);
+      b->size += n->size;
+      b->free_mark = std::max(b->free_mark, n->free_mark);
+      by_address_.erase(by_address_.iterator_to(*n));
+      nodes_.destroy(n);
+      ++merges_;
+    }
+    if (block_type* p = prev(b); mergeable(p)) {
+      erase_free(p);
+      p->size += b->size;
+      p->free_mark = std::max(p->free_mark, b->free_mark);
+      by_address_.erase(by_address_.iterator_to(*b));
+      nodes_.destroy(b);
+      b = p;
+      ++merges_;
+    }
+    b->free = true;  // erase_free cleared it on a merged predecessor
+    free_.insert(*b);
+    free_bytes_ += b->size;
+    return b;
+  }
+
   void erase_free(block_type* b) noexcept {
     free_.erase(free_.iterator_to(*b));
     free_bytes_ -= b->size;
@@ -294,6 +337,7 @@ class block_arena {
     tail->size = b->size - keep;
     tail->segment = b->segment;
     tail->stream = b->stream;
+    tail->free_mark = b->free_mark;
     b->size = keep;
     by_address_.insert_before(std::next(by_address_.iterator_to(*b)), *tail);
     free_.insert(*tail);
