@@ -23,6 +23,7 @@ struct event_log {
   std::size_t device_synchronized = 0;
   std::size_t waited = 0;
   std::size_t recycled = 0;
+  std::size_t queried = 0;
 
   void complete(stream_ref stream) {
     for (auto& [id, e] : events) {
@@ -41,7 +42,10 @@ class evented_reserver : public sim_reserver {
     log_->events[id] = {stream, false};
     return id;
   }
-  bool event_done(event_type e) { return log_->events.at(e).second; }
+  bool event_done(event_type e) {
+    ++log_->queried;
+    return log_->events.at(e).second;
+  }
   void recycle_event(event_type) noexcept { ++log_->recycled; }
   void wait_event(event_type e) noexcept {
     ++log_->waited;
@@ -249,4 +253,28 @@ TEST_CASE("stream order: a segment left in free blocks of two streams is still r
   CHECK(allocator.stats().reserved_bytes == 0);
   CHECK(log.device_synchronized > syncs);  // merged only after the device was synchronized
   CHECK(device.violations() == 0);
+}
+
+TEST_CASE("stream order: waiting frees cost one event query per stream, not one per free") {
+  sim_device device(2 * GiB);
+  event_log log;
+  evented_stitching allocator(sim_provider{device}, evented_reserver{device, log});
+  std::vector<void*> used_on_b;
+  for (int i = 0; i < 50; ++i) {
+    used_on_b.push_back(allocator.allocate(8 * M, A));
+    allocator.record_stream(used_on_b.back(), B);
+  }
+  for (void* p : used_on_b) allocator.deallocate(p, 8 * M, A);  // 50 frees wait for B
+  CHECK(allocator.stats().active_bytes == 50 * 8 * M);
+
+  const std::size_t before = log.queried;
+  void* q = allocator.allocate(8 * M, A);
+  CHECK(log.queried - before == 1);  // the oldest's event is pending, so the rest are too
+  log.complete(B);
+  void* r = allocator.allocate(8 * M, A);  // now all 50 run, oldest first
+  CHECK(allocator.stats().active_bytes == 2 * 8 * M);
+  CHECK(log.recycled >= 50);
+  allocator.deallocate(q, 8 * M, A);
+  allocator.deallocate(r, 8 * M, A);
+  allocator.verify();
 }

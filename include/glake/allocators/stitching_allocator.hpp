@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -96,7 +97,7 @@ class stitching_allocator {
     void* p;
     std::size_t bytes;
     stream_ref stream;
-    std::vector<event_type> events;
+    std::vector<std::pair<stream_ref, event_type>> events;  ///< one per other stream that used it
   };
 
   // A stream's clock: frees on it are marked with `next`; an event recorded for that mark (when
@@ -710,37 +711,57 @@ class stitching_allocator {
     pending_free pending{p, bytes, stream, {}};
     pending.events.reserve(static_cast<std::size_t>(extra_uses_.end() - first));
     pending_.reserve(pending_.size() + 1);
-    for (auto it = first; it != extra_uses_.end(); ++it) {
-      if (it->second != stream) pending.events.push_back(backend_.reserver().record_event(it->second));
+    try {
+      for (auto it = first; it != extra_uses_.end(); ++it) {
+        if (it->second != stream) pending.events.emplace_back(it->second, backend_.reserver().record_event(it->second));
+      }
+    } catch (...) {
+      for (const auto& [s, e] : pending.events) backend_.reserver().recycle_event(e);
+      throw;  // nothing freed; the uses stay recorded
     }
     extra_uses_.erase(first, extra_uses_.end());
     pending_.push_back(std::move(pending));
     return true;
   }
 
-  // Runs the deferred frees whose events have completed (all of them, waiting, when `wait`).
+  // Runs the deferred frees whose events have completed, oldest first (all of them, waiting, when
+  // `wait`). Events on one stream complete in the order they were recorded, so once one is found
+  // pending, later ones on that stream are not asked: a call costs one query per completed event
+  // and at most one more per stream, however many frees wait.
   void finish_pending_frees(bool wait) noexcept {
     if constexpr (has_events) {
-      for (std::size_t i = 0; i < pending_.size();) {
+      std::array<stream_ref, 8> blocked{};  // streams with an event found pending in this call
+      std::size_t blocked_count = 0;
+      const auto is_blocked = [&](stream_ref s) {
+        return std::find(blocked.begin(), blocked.begin() + blocked_count, s) != blocked.begin() + blocked_count;
+      };
+      std::size_t kept = 0;
+      for (std::size_t i = 0; i < pending_.size(); ++i) {
         pending_free& f = pending_[i];
         bool done = true;
-        for (const event_type& e : f.events) {
-          bool complete = false;
-          try {
-            complete = backend_.reserver().event_done(e);
-          } catch (...) {
-            complete = false;
-          }
-          if (!complete && !wait) {
-            done = false;
-            break;
+        if (!wait) {
+          for (const auto& [s, e] : f.events) {
+            bool complete = false;
+            if (!is_blocked(s)) {
+              try {
+                complete = backend_.reserver().event_done(e);
+              } catch (...) {
+                complete = false;
+              }
+            }
+            if (!complete) {
+              if (!is_blocked(s) && blocked_count < blocked.size()) blocked[blocked_count++] = s;
+              done = false;
+              break;
+            }
           }
         }
         if (!done) {
-          ++i;
+          if (kept != i) pending_[kept] = std::move(f);
+          ++kept;
           continue;
         }
-        for (const event_type& e : f.events) {
+        for (const auto& [s, e] : f.events) {
           if (wait) backend_.reserver().wait_event(e);
           backend_.reserver().recycle_event(e);
         }
@@ -749,9 +770,8 @@ class stitching_allocator {
         } catch (...) {
           // Checked when deferred; nothing left to report to.
         }
-        pending_[i] = std::move(pending_.back());
-        pending_.pop_back();
       }
+      pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(kept), pending_.end());
     }
   }
 
