@@ -65,9 +65,10 @@ namespace glake {
 /// free blocks whose frees have completed (the work queued on their stream before the free is
 /// done) before it stitches or grows: the best fit if one block will do, else the largest ones
 /// until they cover it. On backends with events (stream_ordered_reserver, e.g. CUDA) "completed"
-/// is an event recorded on the freeing stream, lazily, when another stream next allocates or
-/// looks for memory, so one event covers many frees; without events (host, sim) a free completes
-/// when it returns. An allocation marked with record_stream is freed only once the work queued on
+/// is an event recorded on the freeing stream, only during a call on that stream (a stream may be
+/// destroyed once its calls end) and only when none of its earlier ones is still pending, so one
+/// event covers many frees; with a single stream none is recorded. Without events (host, sim) a
+/// free completes when it returns. An allocation marked with record_stream is freed only once the work queued on
 /// those streams has completed; a cached stitched range is unmapped only once the work queued
 /// before its free has completed; physical memory is released only after the device is
 /// synchronized.
@@ -109,6 +110,7 @@ class stitching_allocator {
     bool dirty = false;
     std::deque<std::pair<std::uint64_t, event_type>> in_flight;
   };
+
 
   struct segment : eviction_hook {
     detail::mapped_segment<handle_type> mapping;
@@ -408,6 +410,9 @@ class stitching_allocator {
       if (!pending_.empty()) finish_pending_frees(false);
     }
     if (clocks_.empty() || stream != current_stream_) enter_stream(stream);
+    if constexpr (has_events) {
+      if (clocks_.size() > 1) tick(stream);
+    }
     if (bytes <= config_.small_limit) {
       void* p = small_.allocate_unlocked(bytes, stream);
       if (p != nullptr) counters_.on_allocate(bytes, detail::round_up(bytes, config_.round_to));
@@ -692,6 +697,9 @@ class stitching_allocator {
       }
     }
     free_now(p, bytes, stream);
+    if constexpr (has_events) {
+      if (clocks_.size() > 1) tick(stream);
+    }
   }
 
   // Frees an allocation used on other streams later, once events on them have completed. True
@@ -873,6 +881,8 @@ class stitching_allocator {
 
   // An allocation on a stream other than the last one: the frees other streams made since their
   // last event get one now, so that by the time memory is short they have likely completed.
+  // A call on a stream it has not seen last: the stream gets a clock (so that its frees can be
+  // marked) if it has none.
   void enter_stream(stream_ref stream) {
     if (clock_of(stream) == nullptr) {
       stream_clock c;
@@ -880,30 +890,36 @@ class stitching_allocator {
       clocks_.push_back(std::move(c));
     }
     current_stream_ = stream;
+  }
+
+  // During a call on `stream` (so it is alive): records an event for its frees that have none,
+  // unless an earlier one is still pending (then a later call records it): at most one event in
+  // flight per stream, and one query per call while it is.
+  void tick([[maybe_unused]] stream_ref stream) noexcept {
     if constexpr (has_events) {
-      for (stream_clock& c : clocks_) {
-        if (c.stream != stream) tick(c);
+      stream_clock* c = clock_of(stream);
+      if (c == nullptr || !c->dirty) return;
+      poll(*c);
+      if (!c->in_flight.empty()) return;
+      try {
+        const event_type e = backend_.reserver().record_event(c->stream);
+        try {
+          c->in_flight.emplace_back(c->next, e);
+          ++c->next;
+          c->dirty = false;
+        } catch (...) {
+          backend_.reserver().recycle_event(e);
+        }
+      } catch (...) {
+        // Not recorded: those frees stay with their stream until a later call records one.
       }
     }
   }
 
-  // Records an event for `c`'s unrecorded frees and advances `done` past completed events.
-  void tick([[maybe_unused]] stream_clock& c) noexcept {
+  // Advances `done` past `c`'s completed events. Events outlive their stream, so this is safe
+  // for any stream.
+  void poll([[maybe_unused]] stream_clock& c) noexcept {
     if constexpr (has_events) {
-      if (c.dirty) {
-        try {
-          const event_type e = backend_.reserver().record_event(c.stream);
-          try {
-            c.in_flight.emplace_back(c.next, e);
-            ++c.next;
-            c.dirty = false;
-          } catch (...) {
-            backend_.reserver().recycle_event(e);
-          }
-        } catch (...) {
-          // Not recorded: those frees stay with their stream until a later tick.
-        }
-      }
       while (!c.in_flight.empty()) {
         bool complete = false;
         try {
@@ -950,7 +966,7 @@ class stitching_allocator {
     block_type* best = nullptr;
     for (stream_clock& c : clocks_) {
       if (c.stream == stream) continue;
-      tick(c);
+      poll(c);
       block_type* b = arena_.best_fit_if(c.stream, size, max_reuse_probes,
                                          [&](const block_type& x) { return completed(x); });
       if (b != nullptr && (best == nullptr || b->size < best->size)) best = b;
