@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -66,8 +67,9 @@ namespace glake {
 /// done) before it stitches or grows: the best fit if one block will do, else the largest ones
 /// until they cover it. On backends with events (stream_ordered_reserver, e.g. CUDA) "completed"
 /// is an event recorded on the freeing stream, only during a call on that stream (a stream may be
-/// destroyed once its calls end) and only when none of its earlier ones is still pending, so one
-/// event covers many frees; with a single stream none is recorded. Without events (host, sim) a
+/// destroyed once its calls end), and only when its earlier ones have completed or the newest is
+/// older than `event_interval`, so one event covers many frees; with a single stream none is
+/// recorded. Without events (host, sim) a
 /// free completes when it returns. An allocation marked with record_stream is freed only once the work queued on
 /// those streams has completed; a cached stitched range is unmapped only once the work queued
 /// before its free has completed; physical memory is released only after the device is
@@ -108,8 +110,10 @@ class stitching_allocator {
     std::uint64_t next = 1;
     std::uint64_t done = 0;
     bool dirty = false;
+    std::chrono::steady_clock::time_point recorded{};  ///< of the newest event
     std::deque<std::pair<std::uint64_t, event_type>> in_flight;
   };
+  static constexpr std::chrono::microseconds event_interval{1000};
 
 
   struct segment : eviction_hook {
@@ -893,20 +897,23 @@ class stitching_allocator {
   }
 
   // During a call on `stream` (so it is alive): records an event for its frees that have none,
-  // unless an earlier one is still pending (then a later call records it): at most one event in
-  // flight per stream, and one query per call while it is.
+  // unless an earlier one is pending and was recorded less than event_interval ago (then a later
+  // call records it): one query per call while events are in flight, at most ~1000 events a
+  // second per stream.
   void tick([[maybe_unused]] stream_ref stream) noexcept {
     if constexpr (has_events) {
       stream_clock* c = clock_of(stream);
       if (c == nullptr || !c->dirty) return;
       poll(*c);
-      if (!c->in_flight.empty()) return;
+      const auto now = std::chrono::steady_clock::now();
+      if (!c->in_flight.empty() && now - c->recorded < event_interval) return;
       try {
         const event_type e = backend_.reserver().record_event(c->stream);
         try {
           c->in_flight.emplace_back(c->next, e);
           ++c->next;
           c->dirty = false;
+          c->recorded = now;
         } catch (...) {
           backend_.reserver().recycle_event(e);
         }
