@@ -212,6 +212,11 @@ def run_training(args, result, device):
     generator.manual_seed(SEED + result["rank"])
     saved_on_host = torch.autograd.graph.save_on_cpu if args.strategy == "LO" else None
     times, losses = [], []
+    # glake runs: the driver calls and stitches made during each step (read after the step's
+    # clock stops), so step times can be told apart by whether the allocator went to the driver.
+    step_calls, step_stitches, step_host_ms = [], [], []
+    last = glake.stats(device) if glake is not None else None
+    last_host = glake.host_time() if glake is not None else None
     try:
         for step, length in enumerate(lengths, 1):
             torch.cuda.synchronize(device)
@@ -229,6 +234,15 @@ def run_training(args, result, device):
             optimizer.zero_grad(set_to_none=True)
             torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
+            if glake is not None:
+                now = glake.stats(device)
+                step_calls.append(now["driver_calls"] - last["driver_calls"])
+                step_stitches.append(now["stitches"] - last["stitches"])
+                last = now
+                if last_host is not None:
+                    host = glake.host_time()
+                    step_host_ms.append(round((host["ns"] - last_host["ns"]) / 1e6, 3))
+                    last_host = host
             sample()
             losses.append(float(loss.detach()))
             del loss, ids
@@ -241,6 +255,10 @@ def run_training(args, result, device):
         result.update(status="oom", error=f"{type(error).__name__}: {error}"[:2000], oom_step=len(times) + 1)
     finally:
         result.update(step_times_s=[round(t, 4) for t in times], median_step_s=median_step(times))
+        if glake is not None:
+            result.update(step_driver_calls=step_calls, step_stitches=step_stitches)
+            if last_host is not None:
+                result["step_allocator_host_ms"] = step_host_ms
         if losses:
             result.update(loss_first=losses[0], loss_last=losses[-1])
         try:  # after a CUDA error these may fail too; the error that stopped the run matters more
@@ -311,11 +329,14 @@ def shard(model, device):
 # ---------------------------------------------------------------------------------------------
 
 
-def child_environment(allocator, trace):
+def child_environment(allocator, trace, host_timing=False):
     env = dict(os.environ)
     for k in ALLOC_CONF_VARIABLES:
         env.pop(k, None)
     env.pop("GLAKE_TRACE", None)
+    env.pop("GLAKE_HOST_TIMING", None)
+    if allocator == "glake" and host_timing:
+        env["GLAKE_HOST_TIMING"] = "1"
     if allocator == "expandable":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     if allocator == "glake" and trace:
@@ -327,7 +348,10 @@ def child_environment(allocator, trace):
 
 
 def drive(args, driver_command):
-    runs = [(m, s, a) for m in args.models for s in args.strategies for a in args.allocators]
+    # With --repeat, every round runs each workload under each allocator, the allocators' order
+    # reversed in every other round, so that drift within a call falls on both alike.
+    runs = [(m, s, a, r) for r in range(args.repeat) for m in args.models for s in args.strategies
+            for a in (args.allocators if r % 2 == 0 else args.allocators[::-1])]
     results = []
     begun = time.time()
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="finetune-logs-")
@@ -335,12 +359,15 @@ def drive(args, driver_command):
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
     print(f"{len(runs)} runs; child logs in {log_dir}", file=sys.stderr, flush=True)
-    for index, (model, strategy, allocator) in enumerate(runs, 1):
+    for index, (model, strategy, allocator, round_) in enumerate(runs, 1):
         name = f"{model}-{strategy}-{allocator}" + (f"-fsdp{args.fsdp}" if args.fsdp else "")
+        if args.repeat > 1:
+            name += f"-round{round_}"
         trace = None
         if args.trace_dir and allocator == "glake":
             suffix = f"-fsdp{args.fsdp}-dev%d" if args.fsdp else ""
-            trace = os.path.abspath(os.path.join(args.trace_dir, f"{model}-{strategy}{suffix}.trace"))
+            again = f"-round{round_}" if args.repeat > 1 else ""
+            trace = os.path.abspath(os.path.join(args.trace_dir, f"{model}-{strategy}{suffix}{again}.trace"))
         result_dir = tempfile.mkdtemp(prefix="finetune-")
         result_file = os.path.join(result_dir, "rank{rank}.json")
         common = [
@@ -363,7 +390,7 @@ def drive(args, driver_command):
         started = time.time()
         log_path = os.path.join(log_dir, name + ".log")
         with open(log_path, "w") as log:
-            code = run_child(command, child_environment(allocator, trace), log, args.timeout)
+            code = run_child(command, child_environment(allocator, trace, args.glake_host_timing), log, args.timeout)
         found = []
         for rank in range(args.fsdp or 1):
             path = result_file.replace("{rank}", str(rank))
@@ -377,6 +404,8 @@ def drive(args, driver_command):
             r["command"] = " ".join(shlex.quote(c) for c in command)
             r["driver_command"] = driver_command
             r["log"] = log_path
+            if args.repeat > 1:
+                r["round"] = round_
             results.append(r)
             print("    " + one_line(r), file=sys.stderr, flush=True)
             if args.out:
@@ -561,6 +590,9 @@ def parse(argv):
     parser.add_argument("--strategies", type=csv(STRATEGIES), default=list(STRATEGIES), help="comma-separated: N,R,LR,LO (default: all)")
     parser.add_argument("--allocators", type=csv(ALLOCATORS), default=list(ALLOCATORS), help="comma-separated: default,expandable,glake (default: all)")
     parser.add_argument("--steps", type=int, default=14, help="training steps (default 14; step time is the median of 3..N)")
+    parser.add_argument("--glake-host-timing", action="store_true",
+                        help="glake runs also report the host time spent in glake's calls per step (GLAKE_HOST_TIMING=1)")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of every run, allocator order reversed in odd rounds (default 1)")
     parser.add_argument("--out", help="append one JSON object per run (per rank) to this file")
     parser.add_argument("--markdown", help="write the results table (with the target checks) to this file")
     parser.add_argument("--trace-dir", help="glake runs record their requests here (GLAKE_TRACE) for glake-replay")
@@ -584,6 +616,8 @@ def parse(argv):
         parser.error("--child needs --model, --strategy and --allocator")
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     return args
 
 

@@ -112,6 +112,30 @@ class Driver(unittest.TestCase):
         self.assertEqual(sorted((r["allocator"], r["rank"]) for r in results),
                          [("default", 0), ("default", 1), ("glake", 0), ("glake", 1)])
 
+    def test_repeat_reverses_the_allocators_in_every_other_round(self):
+        children = FakeChildren(numbers)
+        results, written, logs, _, directory = self.run_driver(
+            ["--models", "opt1.3b", "--strategies", "N,R", "--allocators", "default,glake", "--repeat", "3"], children)
+        order = [(value_after(c, "--strategy"), value_after(c, "--allocator")) for c, _ in children.calls]
+        self.assertEqual(order, [("N", "default"), ("N", "glake"), ("R", "default"), ("R", "glake"),
+                                 ("N", "glake"), ("N", "default"), ("R", "glake"), ("R", "default"),
+                                 ("N", "default"), ("N", "glake"), ("R", "default"), ("R", "glake")])
+        self.assertEqual([r["round"] for r in results], [0] * 4 + [1] * 4 + [2] * 4)
+        self.assertEqual(len(set(logs)), 12)  # no run's log overwrites another's
+        self.assertTrue(all("GLAKE_HOST_TIMING" not in env for _, env in children.calls))
+        traces = [env["GLAKE_TRACE"] for c, env in children.calls if value_after(c, "--allocator") == "glake"]
+        self.assertEqual(len(set(traces)), 6)
+        self.assertTrue(traces[0].endswith("opt1.3b-N-round0.trace"), traces[0])
+        with self.assertRaises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+            finetune.parse(["--repeat", "0"])
+
+    def test_host_timing_is_asked_of_glake_runs_only(self):
+        children = FakeChildren(numbers)
+        self.run_driver(["--models", "opt1.3b", "--strategies", "N", "--allocators", "default,glake",
+                         "--glake-host-timing"], children)
+        timing = {value_after(c, "--allocator"): env.get("GLAKE_HOST_TIMING") for c, env in children.calls}
+        self.assertEqual(timing, {"default": None, "glake": "1"})
+
     def test_a_timeout_kills_the_child_and_its_workers(self):
         def alive(pid):
             try:
@@ -208,6 +232,15 @@ class Child(unittest.TestCase):
         self.assertEqual(os.path.realpath(r["glake_library"]), os.path.realpath(SIM))
         self.assertEqual(r["glake_stats"]["allocations"], 0)  # the fake model allocates nothing through it
         self.assertEqual(r["peak_reserved_bytes"], 0)
+        # one count per step, of driver calls and stitches made during it (none here)
+        self.assertEqual(r["step_driver_calls"], [0] * len(r["step_times_s"]))
+        self.assertEqual(r["step_stitches"], [0] * len(r["step_times_s"]))
+        self.assertGreater(len(r["step_times_s"]), 0)
+        self.assertNotIn("step_allocator_host_ms", r)  # only with GLAKE_HOST_TIMING
+        code, r = self.run_child("glake", strategy="R", GLAKE_TORCH_LIBRARY=SIM, GLAKE_HOST_TIMING="1")
+        self.assertEqual((code, r["status"]), (0, "ok"), r.get("error"))
+        self.assertEqual(len(r["step_allocator_host_ms"]), len(r["step_times_s"]))
+        self.assertTrue(all(ms >= 0 for ms in r["step_allocator_host_ms"]))
 
 
 REPLAY = os.environ.get("GLAKE_REPLAY")
