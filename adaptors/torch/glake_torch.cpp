@@ -12,6 +12,8 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -132,6 +134,45 @@ plugin_type& plugin() {
   return *instance;
 }
 
+// Host time spent inside the plug-in's allocation calls, for telling a training step's allocator
+// cost apart from everything else in it. Off unless GLAKE_HOST_TIMING is set (to anything but
+// "" or "0") when the plug-in is first called: two clock reads per call are not free.
+struct host_timing {
+  bool on = false;
+  std::atomic<std::uint64_t> ns{0};
+  std::atomic<std::uint64_t> calls{0};
+};
+
+host_timing& timing() noexcept {
+  static host_timing* const instance = [] {
+    auto* t = new host_timing;
+    const char* v = std::getenv("GLAKE_HOST_TIMING");
+    t->on = v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
+    return t;
+  }();
+  return *instance;
+}
+
+class timed_call {
+ public:
+  timed_call() noexcept : t_(timing()) {
+    if (t_.on) start_ = std::chrono::steady_clock::now();
+  }
+  timed_call(const timed_call&) = delete;
+  timed_call& operator=(const timed_call&) = delete;
+  ~timed_call() {
+    if (!t_.on) return;
+    const auto spent = std::chrono::steady_clock::now() - start_;
+    t_.ns.fetch_add(static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(spent).count()),
+                    std::memory_order_relaxed);
+    t_.calls.fetch_add(1, std::memory_order_relaxed);
+  }
+
+ private:
+  host_timing& t_;
+  std::chrono::steady_clock::time_point start_{};
+};
+
 void copy_text(const std::string& text, char* buffer, std::size_t size) noexcept {
   if (buffer == nullptr || size == 0) return;
   const std::size_t n = std::min(text.size(), size - 1);
@@ -144,6 +185,7 @@ void copy_text(const std::string& text, char* buffer, std::size_t size) noexcept
 extern "C" {
 
 GLAKE_TORCH_API void* glake_malloc(size_t size, int device, CUstream_st* stream) {
+  const timed_call timed;
   try {
     return plugin().allocate(size, device, stream_ref{stream});
   } catch (...) {
@@ -152,10 +194,12 @@ GLAKE_TORCH_API void* glake_malloc(size_t size, int device, CUstream_st* stream)
 }
 
 GLAKE_TORCH_API void* glake_torch_malloc(size_t size, int device, CUstream_st* stream) {
+  const timed_call timed;
   return plugin().allocate_or_throw(size, device, stream_ref{stream});
 }
 
 GLAKE_TORCH_API void glake_free(void* ptr, size_t size, int device, CUstream_st* stream) {
+  const timed_call timed;
   try {
     plugin().deallocate(ptr, size, device, stream_ref{stream});
   } catch (...) {
@@ -163,6 +207,7 @@ GLAKE_TORCH_API void glake_free(void* ptr, size_t size, int device, CUstream_st*
 }
 
 GLAKE_TORCH_API void glake_record_stream(void* ptr, CUstream_st* stream) {
+  const timed_call timed;
   try {
     plugin().record_stream(ptr, stream_ref{stream});
   } catch (...) {
@@ -216,6 +261,13 @@ GLAKE_TORCH_API int glake_settings(char* buffer, size_t size) {
 }
 
 GLAKE_TORCH_API const char* glake_backend(void) { return backend_name; }
+
+GLAKE_TORCH_API int glake_host_time(uint64_t* ns, uint64_t* calls) {
+  const host_timing& t = timing();
+  if (ns != nullptr) *ns = t.ns.load(std::memory_order_relaxed);
+  if (calls != nullptr) *calls = t.calls.load(std::memory_order_relaxed);
+  return t.on ? 1 : 0;
+}
 
 GLAKE_TORCH_API void glake_flush_traces(void) {
   try {

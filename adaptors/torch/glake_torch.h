@@ -39,6 +39,12 @@ GLAKE_TORCH_API void glake_free(void* ptr, size_t size, int device, struct CUstr
  * reused only once that work has completed. */
 GLAKE_TORCH_API void glake_record_stream(void* ptr, struct CUstream_st* stream);
 
+/* Host time spent inside glake_malloc, glake_torch_malloc, glake_free and glake_record_stream
+ * (all devices, all threads) and the number of those calls, since the process started. Measured
+ * only when GLAKE_HOST_TIMING was set (to anything but "" or "0") at the plug-in's first call:
+ * returns 1 then, else 0 with both counts 0. Either pointer may be null. */
+GLAKE_TORCH_API int glake_host_time(uint64_t* ns, uint64_t* calls);
+
 /* Releases cached memory (unmaps cached stitched ranges, returns fully free segments) on `device`,
  * or on every device when `device` is negative. */
 GLAKE_TORCH_API void glake_empty_cache(int device);

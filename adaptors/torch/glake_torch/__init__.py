@@ -118,6 +118,8 @@ def load(library=None):
     lib.glake_settings.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
     lib.glake_backend.restype = ctypes.c_char_p
     lib.glake_backend.argtypes = []
+    lib.glake_host_time.restype = ctypes.c_int
+    lib.glake_host_time.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
     lib.glake_flush_traces.restype = None
     lib.glake_flush_traces.argtypes = []
     _names = lib.glake_stats_names().decode().split(",")
@@ -259,6 +261,16 @@ def stats(device=None):
     result["utilization"] = result["peak_active_bytes"] / reserved if reserved else 0.0
     result["device"] = index
     return result
+
+
+def host_time():
+    """Host time spent in glake's allocation calls so far, all devices: {"ns": ..., "calls": ...};
+    None unless GLAKE_HOST_TIMING was set (not "" or "0") when the plug-in was first called."""
+    lib = load()
+    ns, calls = ctypes.c_uint64(0), ctypes.c_uint64(0)
+    if not lib.glake_host_time(ctypes.byref(ns), ctypes.byref(calls)):
+        return None
+    return {"ns": ns.value, "calls": calls.value}
 
 
 def empty_cache(device=None):

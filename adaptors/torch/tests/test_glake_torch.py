@@ -271,6 +271,41 @@ class Statistics(unittest.TestCase):
         lib.glake_free(b, 6 * MiB + 100, device, None)
 
 
+HOST_TIME = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, sys.argv[2])
+    import glake_torch
+    lib = glake_torch.load(sys.argv[1])
+    before = glake_torch.host_time()
+    p = lib.glake_malloc(3 << 20, 0, None)
+    lib.glake_free(p, 3 << 20, 0, None)
+    lib.glake_free(None, 0, 0, None)
+    print(json.dumps({"before": before, "after": glake_torch.host_time()}))
+    """
+)
+
+
+@needs_sim
+class HostTime(unittest.TestCase):
+    def run_with(self, value):
+        env = dict(os.environ)
+        env.pop("GLAKE_HOST_TIMING", None)
+        if value is not None:
+            env["GLAKE_HOST_TIMING"] = value
+        run = subprocess.run([sys.executable, "-c", HOST_TIME, SIM, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))],
+                             env=env, capture_output=True, text=True, check=True)
+        return json.loads(run.stdout)
+
+    def test_counts_calls_and_time_only_when_asked(self):
+        r = self.run_with("1")
+        self.assertEqual(r["before"], {"ns": 0, "calls": 0})
+        self.assertEqual(r["after"]["calls"], 3)  # a free of null is a call too
+        self.assertGreater(r["after"]["ns"], 0)
+        for off in (None, "", "0"):
+            self.assertEqual(self.run_with(off), {"before": None, "after": None}, off)
+
+
 @needs_sim
 class ErrorsStayInside(unittest.TestCase):
     def setUp(self):
