@@ -161,22 +161,75 @@ TEST_CASE("stream order: a free block moves to another stream only once its free
   REQUIRE(log.events.size() == 1);
   CHECK(log.events.begin()->second.first == A);
 
-  void* q = allocator.allocate(64 * M, B);
-  CHECK(q != p);  // A's work may still use p: B grows instead
-  CHECK(allocator.stats().reserved_bytes == 192 * M);
+  void* q = allocator.allocate(128 * M, B);
+  CHECK(q != p);  // A's work may still use p, which could not serve 128 MiB anyway: B grows
+  CHECK(allocator.stats().reserved_bytes == 256 * M);
   CHECK(allocator.stats().cross_stream_bytes == 0);
+  CHECK(log.device_synchronized == 0);
 
   log.complete(A);
   void* r = allocator.allocate(64 * M, B);  // now p's block is B's, without waiting or growing
   CHECK(r == p);
-  CHECK(allocator.stats().reserved_bytes == 192 * M);
+  CHECK(allocator.stats().reserved_bytes == 256 * M);
   CHECK(allocator.stats().cross_stream_bytes == 64 * M);
   CHECK(log.waited == 0);
   CHECK(log.device_synchronized == 0);
   CHECK(log.events.size() == 1);  // B's calls recorded nothing on A (it might be gone)
   allocator.deallocate(r, 64 * M, B);
+  allocator.deallocate(q, 128 * M, B);
+  allocator.deallocate(b0, 64 * M, B);
+  allocator.verify();
+  CHECK(device.violations() == 0);
+}
+
+TEST_CASE("stream order: free blocks of another stream that would serve a request are waited for, not grown past") {
+  sim_device device(1 * GiB);
+  event_log log;
+  evented_stitching allocator(sim_provider{device}, evented_reserver{device, log});
+  void* b0 = allocator.allocate(64 * M, B);
+  void* p = allocator.allocate(64 * M, A);
+  allocator.deallocate(p, 64 * M, A);  // its event is pending
+  void* q = allocator.allocate(64 * M, B);
+  CHECK(q == p);  // taken only after the device was synchronized
+  CHECK(log.device_synchronized == 1);
+  CHECK(log.events.begin()->second.second);
+  CHECK(allocator.stats().reserved_bytes == 128 * M);
+  CHECK(allocator.stats().cross_stream_bytes == 64 * M);
   allocator.deallocate(q, 64 * M, B);
   allocator.deallocate(b0, 64 * M, B);
+  allocator.verify();
+  CHECK(device.violations() == 0);
+}
+
+TEST_CASE("stream order: several pending free blocks of another stream are waited for and stitched") {
+  sim_device device(1 * GiB);
+  event_log log;
+  config cfg;
+  cfg.frag_limit = 0;
+  evented_stitching allocator(sim_provider{device}, evented_reserver{device, log}, cfg);
+  void* b0 = allocator.allocate(32 * M, B);
+  std::vector<void*> a;
+  for (int i = 0; i < 4; ++i) a.push_back(allocator.allocate(32 * M, A));
+  allocator.deallocate(a[0], 32 * M, A);
+  allocator.deallocate(a[2], 32 * M, A);  // two pending blocks of 32 MiB, not neighbours
+
+  void* big = allocator.allocate(96 * M, B);  // they cannot cover 96 MiB: B grows, no wait
+  CHECK(log.device_synchronized == 0);
+  CHECK(allocator.stats().cross_stream_bytes == 0);
+  const std::size_t reserved = allocator.stats().reserved_bytes;
+  const std::size_t stitches = allocator.stats().stitches;
+
+  void* c = allocator.allocate(64 * M, B);  // they cover 64 MiB: wait once, take both, stitch
+  CHECK(c != nullptr);
+  CHECK(log.device_synchronized == 1);
+  CHECK(allocator.stats().reserved_bytes == reserved);
+  CHECK(allocator.stats().cross_stream_bytes == 64 * M);
+  CHECK(allocator.stats().stitches == stitches + 1);
+  allocator.deallocate(c, 64 * M, B);
+  allocator.deallocate(big, 96 * M, B);
+  allocator.deallocate(a[1], 32 * M, A);
+  allocator.deallocate(a[3], 32 * M, A);
+  allocator.deallocate(b0, 32 * M, B);
   allocator.verify();
   CHECK(device.violations() == 0);
 }

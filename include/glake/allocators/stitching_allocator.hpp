@@ -448,6 +448,14 @@ class stitching_allocator {
           if (block_type* b = arena_.best_fit(stream, size)) return hand_out(b, size, bytes);
           if (void* p = stitch(size, bytes, stream, false)) return p;
         }
+        // Other streams' free blocks whose frees have not completed yet: when they alone would
+        // cover the request, waiting for the device once costs less than growing by it.
+        if (wait_for_other_streams(size, stream, may_stitch) && adopt(size, stream, may_stitch)) {
+          if (block_type* b = arena_.best_fit(stream, size)) return hand_out(b, size, bytes);
+          if (may_stitch) {
+            if (void* p = stitch(size, bytes, stream, false)) return p;
+          }
+        }
       } else if (rung == 1) {
         if constexpr (has_events) {
           if (!pending_.empty()) {
@@ -1000,6 +1008,37 @@ class stitching_allocator {
       move_to(b, stream);
     }
     return covered > 0;
+  }
+
+  // Synchronizes the device when free blocks of streams other than `stream` whose frees have not
+  // completed would serve `size`: one such block, or with `gather` their whole handles together.
+  // True if it did (every free so far has then completed). A device synchronize, not an event
+  // wait: frees made since a stream's last event have none, and no event may be recorded on a
+  // stream outside a call on it.
+  bool wait_for_other_streams([[maybe_unused]] std::size_t size, [[maybe_unused]] stream_ref stream,
+                              [[maybe_unused]] bool gather) noexcept {
+    if constexpr (has_events) {
+      if (clocks_.size() < 2) return false;
+      bool enough = false;
+      std::size_t pending = 0;
+      for (stream_clock& c : clocks_) {
+        if (c.stream == stream) continue;
+        arena_.for_each_free_largest_first(c.stream, [&](block_type& b) {
+          if (!gather && b.size < size) return false;  // largest first: none further will do
+          if (!completed(b)) {
+            pending += gather ? whole_handles_of(b).size : b.size;
+            enough = gather ? pending >= size : true;
+          }
+          return !enough;
+        });
+        if (enough) break;
+      }
+      if (!enough) return false;
+      synchronize_all();
+      return true;
+    } else {
+      return false;
+    }
   }
 
   void move_to(block_type* b, stream_ref stream) noexcept {
