@@ -290,6 +290,15 @@ class block_arena {
     return b;
   }
 
+  // Grows `left` over its right neighbour `right` (out of the free index already) and drops it.
+  void absorb(block_type* left, block_type* right) noexcept {
+    left->size += right->size;
+    left->free_mark = std::max(left->free_mark, right->free_mark);
+    by_address_.erase(by_address_.iterator_to(*right));
+    nodes_.destroy(right);
+    ++merges_;
+  }
+
   // Merges free, unindexed block `b` with its free neighbours of the same segment and stream and
   // indexes the result.
   block_type* merge_and_index(block_type* b) noexcept {
@@ -298,20 +307,12 @@ class block_arena {
     };
     if (block_type* n = next(b); mergeable(n)) {
       erase_free(n);
-      b->size += n->size;
-      b->free_mark = std::max(b->free_mark, n->free_mark);
-      by_address_.erase(by_address_.iterator_to(*n));
-      nodes_.destroy(n);
-      ++merges_;
+      absorb(b, n);
     }
     if (block_type* p = prev(b); mergeable(p)) {
       erase_free(p);
-      p->size += b->size;
-      p->free_mark = std::max(p->free_mark, b->free_mark);
-      by_address_.erase(by_address_.iterator_to(*b));
-      nodes_.destroy(b);
+      absorb(p, b);
       b = p;
-      ++merges_;
     }
     b->free = true;  // erase_free cleared it on a merged predecessor
     free_.insert(*b);
