@@ -360,13 +360,11 @@ def drive(args, driver_command):
         os.makedirs(args.trace_dir, exist_ok=True)
     print(f"{len(runs)} runs; child logs in {log_dir}", file=sys.stderr, flush=True)
     for index, (model, strategy, allocator, round_) in enumerate(runs, 1):
-        name = f"{model}-{strategy}-{allocator}" + (f"-fsdp{args.fsdp}" if args.fsdp else "")
-        if args.repeat > 1:
-            name += f"-round{round_}"
+        again = f"-round{round_}" if args.repeat > 1 else ""
+        name = f"{model}-{strategy}-{allocator}" + (f"-fsdp{args.fsdp}" if args.fsdp else "") + again
         trace = None
         if args.trace_dir and allocator == "glake":
             suffix = f"-fsdp{args.fsdp}-dev%d" if args.fsdp else ""
-            again = f"-round{round_}" if args.repeat > 1 else ""
             trace = os.path.abspath(os.path.join(args.trace_dir, f"{model}-{strategy}{suffix}{again}.trace"))
         result_dir = tempfile.mkdtemp(prefix="finetune-")
         result_file = os.path.join(result_dir, "rank{rank}.json")
