@@ -1,0 +1,55 @@
+#!/usr/bin/env python3
+"""Step-time pairs of default and glake from finetune.py's JSONL output (bench/results/finetune.md,
+"Step time with repeated, order-reversed pairs"). Run from the repository root:
+
+    python3 tools/analysis/steptime_pairs.py bench/results/finetune_steptime_repeat.jsonl
+
+Per workload: each run's median step, the pair ratios (glake / default, runs paired in order),
+glake's mean over default's mean, how many of steps 3..N made driver calls and how many calls,
+and the median per-step ratio over steps where glake made none. Then the median and geometric
+mean of all pair ratios.
+"""
+import collections
+import json
+import math
+import statistics
+import sys
+
+
+def main(paths):
+    by = collections.defaultdict(lambda: collections.defaultdict(list))
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                r = json.loads(line)
+                if r.get("status") == "ok" and r.get("rank", 0) == 0:
+                    by[(r["model"], r["strategy"])][r["allocator"]].append(r)
+    ratios = []
+    for (model, strategy), runs in sorted(by.items()):
+        d, g = runs["default"], runs["glake"]
+        pairs = [x["median_step_s"] / y["median_step_s"] for x, y in zip(g, d)]
+        ratios += pairs
+        quiet_g, quiet_d = [], []
+        for x, y in zip(g, d):
+            calls = x.get("step_driver_calls") or []
+            for i in range(2, min(len(calls), len(y["step_times_s"]))):
+                if calls[i] == 0:
+                    quiet_g.append(x["step_times_s"][i])
+                    quiet_d.append(y["step_times_s"][i])
+        means = statistics.mean(r["median_step_s"] for r in g) / statistics.mean(r["median_step_s"] for r in d)
+        busy = [sum(1 for c in (x.get("step_driver_calls") or [])[2:] if c) for x in g]
+        calls = [sum((x.get("step_driver_calls") or [])[2:]) for x in g]
+        quiet = statistics.median(quiet_g) / statistics.median(quiet_d) if quiet_g else float("nan")
+        steps = lambda rs: " ".join(f"{r['median_step_s']:.3f}" for r in rs)  # noqa: E731
+        pair_text = " ".join(f"{p:.3f}" for p in pairs)
+        print(f"{model:11s} {strategy:3s} default {steps(d):14s} glake {steps(g):14s} pairs {pair_text:12s} "
+              f"means {means:.3f}  steps with calls {busy}  calls {calls}  quiet-step ratio {quiet:.3f} (n={len(quiet_g)})")
+    if ratios:
+        geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        print(f"{len(ratios)} pairs: median {statistics.median(ratios):.3f}, geometric mean {geo:.3f}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    main(sys.argv[1:])
