@@ -4,6 +4,7 @@
 // completed by the test, so every ordering is checked without a GPU.
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <vector>
@@ -269,6 +270,31 @@ TEST_CASE("stream order: a cached stitch is not reused over chunks another strea
   CHECK(device.violations() == 0);
 }
 
+TEST_CASE("stream order: a cached stitch reused on its stream gives its free event back") {
+  sim_device device(1 * GiB);
+  event_log log;
+  config cfg;
+  cfg.frag_limit = 0;
+  evented_stitching allocator(sim_provider{device}, evented_reserver{device, log}, cfg);
+  std::vector<void*> a;
+  for (int i = 0; i < 4; ++i) a.push_back(allocator.allocate(32 * M, A));
+  allocator.deallocate(a[0], 32 * M, A);
+  allocator.deallocate(a[2], 32 * M, A);
+  void* s = allocator.allocate(64 * M, A);
+  allocator.deallocate(s, 64 * M, A);  // cached: one event
+  CHECK(log.events.size() == 1);
+  CHECK(allocator.allocate(64 * M, A) == s);  // same stream: reused at once, its event returned
+  CHECK(log.recycled == 1);
+  allocator.deallocate(s, 64 * M, A);  // a new event for the new free
+  CHECK(log.events.size() == 2);
+  CHECK(log.recycled == 1);
+  allocator.release_cached();
+  CHECK(log.recycled == 2);  // every event recorded has been given back
+  allocator.deallocate(a[1], 32 * M, A);
+  allocator.deallocate(a[3], 32 * M, A);
+  allocator.verify();
+}
+
 TEST_CASE("stream order: without events, free blocks of other streams are stitched before growing") {
   sim_device device(1 * GiB);
   config cfg;
@@ -333,5 +359,24 @@ TEST_CASE("stream order: waiting frees cost one event query per stream, not one 
   CHECK(log.recycled >= 50);
   allocator.deallocate(q, 8 * M, A);
   allocator.deallocate(r, 8 * M, A);
+  allocator.verify();
+}
+
+TEST_CASE("stream order: with several streams, calls query a stream's events at most once per event interval") {
+  sim_device device(2 * GiB);
+  event_log log;
+  evented_stitching allocator(sim_provider{device}, evented_reserver{device, log});
+  allocator.deallocate(allocator.allocate(8 * M, B), 8 * M, B);  // a second stream
+  allocator.deallocate(allocator.allocate(8 * M, A), 8 * M, A);  // A is dirty: an event is recorded
+  REQUIRE(log.events.size() >= 1);
+  const std::size_t before = log.queried;
+  const auto start = std::chrono::steady_clock::now();
+  constexpr int calls = 200;
+  for (int i = 0; i < calls; ++i) allocator.deallocate(allocator.allocate(8 * M, A), 8 * M, A);
+  const auto elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+  // The event is never completed here, so each poll is one query; one poll per 1 ms interval at
+  // most (not one per call, as a free makes the stream dirty again every time).
+  CHECK(log.queried - before <= static_cast<std::size_t>(elapsed.count()) + 2);
+  CHECK(log.queried - before < calls);
   allocator.verify();
 }

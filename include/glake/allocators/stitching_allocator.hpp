@@ -67,9 +67,9 @@ namespace glake {
 /// done) before it stitches or grows: the best fit if one block will do, else the largest ones
 /// until they cover it. On backends with events (stream_ordered_reserver, e.g. CUDA) "completed"
 /// is an event recorded on the freeing stream, only during a call on that stream (a stream may be
-/// destroyed once its calls end), and only when its earlier ones have completed or the newest is
-/// older than `event_interval`, so one event covers many frees; with a single stream none is
-/// recorded. Without events (host, sim) a
+/// destroyed once its calls end), and only when none is in flight or the newest is older than
+/// `event_interval`, so one event covers many frees and a stream's events are queried at most
+/// once per interval, not on every call; with a single stream none is recorded. Without events (host, sim) a
 /// free completes when it returns. An allocation marked with record_stream is freed only once the work queued on
 /// those streams has completed; a cached stitched range is unmapped only once the work queued
 /// before its free has completed; physical memory is released only after the device is
@@ -495,14 +495,24 @@ class stitching_allocator {
       stitched& s = *it;
       if (!prefix_free(s, size)) continue;
       arena_.reserve_nodes(2 * s.pieces.size());
-      cached_by_size_.erase(it);
-      stitch_queue_.erase(s);
-      counters_.s.cached_stitch_bytes -= s.size;
+      leave_stitch_cache(s);
       claim_prefix(s, size, requested);
       ++counters_.s.stitch_cache_hits;
       return reinterpret_cast<void*>(s.base);
     }
     return nullptr;
+  }
+
+  // Takes a cached range out of the cache to be claimed again: on its own stream, work queued
+  // before its free comes before work on its new use, so its free event is no longer needed.
+  void leave_stitch_cache(stitched& s) noexcept {
+    cached_by_size_.erase(cached_by_size_.iterator_to(s));
+    stitch_queue_.erase(s);
+    counters_.s.cached_stitch_bytes -= s.size;
+    if constexpr (has_events) {
+      if (s.has_free_event) backend_.reserver().recycle_event(s.free_event);
+      s.has_free_event = false;
+    }
   }
 
   // Free on the range's own stream: a block another stream has taken over is that stream's.
@@ -912,9 +922,9 @@ class stitching_allocator {
     if constexpr (has_events) {
       stream_clock* c = clock_of(stream);
       if (c == nullptr || !c->dirty) return;
-      poll(*c);
       const auto now = std::chrono::steady_clock::now();
       if (!c->in_flight.empty() && now - c->recorded < event_interval) return;
+      poll(*c);
       try {
         const event_type e = backend_.reserver().record_event(c->stream);
         try {
