@@ -6,6 +6,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <vector>
 
 #include "glake/allocators/stitching_allocator.hpp"
@@ -92,6 +93,75 @@ TEST_CASE("stitching: a cached stitched range is reused only while the chunks it
   allocator.deallocate(other, 200 * M);
   for (int i : {1, 3}) allocator.deallocate(f.blocks[i], 100 * M);
   allocator.verify();
+}
+
+TEST_CASE("stitching: a cached range whose chunks were partly taken since is repaired, remapping only those") {
+  sim_device device(500 * M);
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, stitch_everything());
+  fragmented f(allocator, device);
+  void* stitched = allocator.allocate(200 * M);
+  allocator.deallocate(stitched, 200 * M);
+  void* hole = allocator.allocate(40 * M);     // best fit: 20 of the range's 100 chunks, in place
+  allocator.deallocate(f.blocks[1], 100 * M);  // free memory the range does not map
+  const driver_call_counts before = allocator.stats().driver_calls;
+  const std::uint64_t access_before = device.set_access_mappings();
+
+  void* again = allocator.allocate(200 * M);
+  CHECK(again == stitched);
+  const statistics s = allocator.stats();
+  CHECK(s.stitches == 1);
+  CHECK(s.stitch_cache_hits == 1);
+  CHECK(s.stitch_repairs == 1);
+  CHECK(s.reserved_bytes == 400 * M);
+  CHECK(s.active_bytes == 340 * M);  // with blocks[3]
+  // Only the 20 taken chunks were replaced: unmapped, mapped anew, granted access in one call.
+  const auto delta = [&](driver_call c) { return s.driver_calls[c] - before[c]; };
+  CHECK(delta(driver_call::unmap) == 20);
+  CHECK(delta(driver_call::map) == 20);
+  CHECK(delta(driver_call::set_access) == 1);
+  CHECK(device.set_access_mappings() - access_before == 20);
+  CHECK(delta(driver_call::reserve) + delta(driver_call::create) + delta(driver_call::address_free) == 0);
+  // The range no longer maps the hole's chunks; every chunk of it is distinct and accessible.
+  std::set<std::uint64_t> hole_handles, range_handles;
+  for (std::size_t off = 0; off < 40 * M; off += 2 * M) hole_handles.insert(handle_at(device, hole, off));
+  for (std::size_t off = 0; off < 200 * M; off += 2 * M) {
+    const auto where = device.resolve(static_cast<char*>(again) + off);
+    REQUIRE(where.has_value());
+    CHECK(where->accessible);
+    CHECK(hole_handles.count(where->handle) == 0);
+    range_handles.insert(where->handle);
+  }
+  CHECK(range_handles.size() == 100);
+  allocator.verify();
+
+  allocator.deallocate(again, 200 * M);
+  allocator.deallocate(hole, 40 * M);
+  allocator.deallocate(f.blocks[3], 100 * M);
+  allocator.verify();
+  allocator.release_cached();
+  CHECK(allocator.stats().reserved_bytes == 0);
+  CHECK(device.live_mappings() == 0);
+  CHECK(device.violations() == 0);
+}
+
+TEST_CASE("stitching: a cached range with more than half its chunks taken is not repaired") {
+  sim_device device(1 * GiB);
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, stitch_everything());
+  fragmented f(allocator, device);
+  void* stitched = allocator.allocate(200 * M);
+  allocator.deallocate(stitched, 200 * M);
+  void* hole = allocator.allocate(100 * M);   // one of the range's two blocks, whole
+  void* more = allocator.allocate(20 * M);    // and part of the other: 120 of 200 MiB taken
+  allocator.deallocate(f.blocks[1], 100 * M);
+  allocator.deallocate(f.blocks[3], 100 * M);
+  void* other = allocator.allocate(200 * M);
+  CHECK(other != stitched);
+  CHECK(allocator.stats().stitch_repairs == 0);
+  CHECK(allocator.stats().stitch_cache_hits == 0);
+  allocator.verify();
+  for (auto [p, n] : {std::pair{other, 200 * M}, {hole, 100 * M}, {more, 20 * M}}) allocator.deallocate(p, n);
+  allocator.verify();
+  CHECK(device.violations() == 0);
 }
 
 TEST_CASE("stitching: under memory pressure cached stitched mappings are dropped (StitchFree)") {
@@ -402,6 +472,19 @@ TEST_CASE("rollback: a failure at any call of a grow-and-stitch leaves everythin
   const int sites = fail_every_call_site(
       500 * M, cfg, [](faulty_stitching& a, const sim_device& d) { fragmented f(a, d); }, 300 * M);
   CHECK(sites >= (50 + 1 + 50 + 1) + (1 + 150 + 1));  // the new segment, then the stitch
+}
+
+TEST_CASE("rollback: a failure at any call of a repair forgets the cached range and serves the request anew") {
+  const int sites = fail_every_call_site(
+      500 * M, stitch_everything(),
+      [](faulty_stitching& a, const sim_device& d) {
+        fragmented f(a, d);
+        a.deallocate(a.allocate(200 * M), 200 * M);  // cached over blocks 0 and 2
+        (void)a.allocate(40 * M);                     // 20 of its chunks taken in place
+        a.deallocate(f.blocks[1], 100 * M);           // spare chunks elsewhere
+      },
+      200 * M);
+  CHECK(sites >= 20 + 1);  // 20 maps, a set-access (unmaps cannot fail)
 }
 
 TEST_CASE("rollback: a failure while the small pool grows leaves everything as it was") {

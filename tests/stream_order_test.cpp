@@ -235,7 +235,7 @@ TEST_CASE("stream order: several pending free blocks of another stream are waite
   CHECK(device.violations() == 0);
 }
 
-TEST_CASE("stream order: a cached stitch is not reused over chunks another stream has taken") {
+TEST_CASE("stream order: a cached stitch is not reused over chunks another stream has taken, but repaired") {
   sim_device device(1 * GiB);
   event_log log;
   config cfg;
@@ -259,8 +259,17 @@ TEST_CASE("stream order: a cached stitch is not reused over chunks another strea
   allocator.deallocate(b, 32 * M, B);       // free again, but on B, and B's work is not done
 
   void* t = allocator.allocate(64 * M, A);
-  CHECK(t != s);  // the cached range's chunks are B's now: not reused on A
-  CHECK(allocator.stats().stitch_cache_hits == 0);
+  // Half the cached range's chunks are B's now: the range is reused on A only after those are
+  // replaced by A's free chunks (a[1]'s), so B's memory is never mapped into A's allocation.
+  CHECK(allocator.stats().stitch_repairs == 1);
+  CHECK(t == s);
+  void* again = allocator.allocate(32 * M, B);
+  for (std::size_t off = 0; off < 64 * M; off += 2 * M) {
+    const auto where = device.resolve(static_cast<char*>(t) + off);
+    REQUIRE(where.has_value());
+    for (std::size_t o = 0; o < 32 * M; o += 2 * M) CHECK(where->handle != device.resolve(static_cast<char*>(again) + o)->handle);
+  }
+  allocator.deallocate(again, 32 * M, B);
   allocator.deallocate(t, 64 * M, A);
   allocator.deallocate(a[3], 32 * M, A);
   allocator.deallocate(w, 32 * M, B);
@@ -268,6 +277,38 @@ TEST_CASE("stream order: a cached stitch is not reused over chunks another strea
   allocator.release_cached();
   CHECK(allocator.stats().reserved_bytes == 0);
   CHECK(device.violations() == 0);
+}
+
+TEST_CASE("stream order: a cached stitch is repaired only once the work queued before its free has completed") {
+  for (const bool completed : {false, true}) {
+    CAPTURE(completed);
+    sim_device device(500 * M);
+    event_log log;
+    config cfg;
+    cfg.frag_limit = 0;
+    evented_stitching allocator(sim_provider{device}, evented_reserver{device, log}, cfg);
+    void* blocks[4];
+    for (auto& b : blocks) b = allocator.allocate(100 * M, A);
+    allocator.deallocate(blocks[0], 100 * M, A);
+    allocator.deallocate(blocks[2], 100 * M, A);
+    void* s = allocator.allocate(200 * M, A);
+    allocator.deallocate(s, 200 * M, A);  // cached; an event marks A's work that may read it
+    void* hole = allocator.allocate(40 * M, A);
+    allocator.deallocate(blocks[1], 100 * M, A);
+    if (completed) log.complete(A);
+    void* t = allocator.allocate(200 * M, A);
+    // Remapping the range under work that may still read it would change what that work reads.
+    CHECK(allocator.stats().stitch_repairs == (completed ? 1 : 0));
+    CHECK((t == s) == completed);
+    CHECK(log.waited == 0);
+    allocator.deallocate(t, 200 * M, A);
+    allocator.deallocate(hole, 40 * M, A);
+    allocator.deallocate(blocks[3], 100 * M, A);
+    allocator.verify();
+    allocator.release_cached();
+    CHECK(allocator.stats().reserved_bytes == 0);
+    CHECK(device.violations() == 0);
+  }
 }
 
 TEST_CASE("stream order: a cached stitch reused on its stream gives its free event back") {

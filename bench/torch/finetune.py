@@ -212,9 +212,10 @@ def run_training(args, result, device):
     generator.manual_seed(SEED + result["rank"])
     saved_on_host = torch.autograd.graph.save_on_cpu if args.strategy == "LO" else None
     times, losses = [], []
-    # glake runs: the driver calls and stitches made during each step (read after the step's
-    # clock stops), so step times can be told apart by whether the allocator went to the driver.
-    step_calls, step_stitches, step_host_ms = [], [], []
+    # glake runs: the driver calls, stitches and repaired cached stitches made during each step
+    # (read after the step's clock stops), so step times can be told apart by whether the
+    # allocator went to the driver.
+    step_calls, step_stitches, step_repairs, step_host_ms = [], [], [], []
     last = glake.stats(device) if glake is not None else None
     last_host = glake.host_time() if glake is not None else None
     try:
@@ -238,6 +239,7 @@ def run_training(args, result, device):
                 now = glake.stats(device)
                 step_calls.append(now["driver_calls"] - last["driver_calls"])
                 step_stitches.append(now["stitches"] - last["stitches"])
+                step_repairs.append(now["stitch_repairs"] - last["stitch_repairs"])
                 last = now
                 if last_host is not None:
                     host = glake.host_time()
@@ -256,7 +258,7 @@ def run_training(args, result, device):
     finally:
         result.update(step_times_s=[round(t, 4) for t in times], median_step_s=median_step(times))
         if glake is not None:
-            result.update(step_driver_calls=step_calls, step_stitches=step_stitches)
+            result.update(step_driver_calls=step_calls, step_stitches=step_stitches, step_stitch_repairs=step_repairs)
             if last_host is not None:
                 result["step_allocator_host_ms"] = step_host_ms
         if losses:

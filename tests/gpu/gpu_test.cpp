@@ -105,6 +105,41 @@ TEST_CASE("gpu: a kernel writes a stitched block and the host reads back what it
   allocator.verify();
 }
 
+TEST_CASE("gpu: a repaired cached stitch serves kernels and no longer maps the block that took part of it") {
+  REQUIRE(cudaFree(nullptr) == cudaSuccess);
+  cuda_stitching allocator(cuda_provider(0), cuda_reserver(0), stitch_everything());
+  std::vector<void*> blocks;
+  for (int i = 0; i < 4; ++i) {
+    blocks.push_back(allocator.allocate(64 * M));
+    REQUIRE(gpu_test::fill(blocks[i], 64 * M, 100 + i) == cudaSuccess);
+  }
+  allocator.deallocate(blocks[0], 64 * M);
+  allocator.deallocate(blocks[2], 64 * M);
+  void* stitched = allocator.allocate(128 * M);
+  REQUIRE(allocator.stats().stitches == 1);
+  REQUIRE(gpu_test::fill(stitched, 128 * M, 5) == cudaSuccess);
+  allocator.deallocate(stitched, 128 * M);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);  // the range's work is done: it may be remapped
+  void* hole = allocator.allocate(16 * M);           // in place, over 8 of the range's chunks
+  REQUIRE(gpu_test::fill(hole, 16 * M, 77) == cudaSuccess);
+  allocator.deallocate(blocks[1], 64 * M);           // spare chunks outside the range
+  const std::size_t reserved = allocator.stats().reserved_bytes;
+  void* again = allocator.allocate(128 * M);
+  CHECK(again == stitched);
+  CHECK(allocator.stats().stitch_repairs == 1);
+  CHECK(allocator.stats().reserved_bytes == reserved);
+  REQUIRE(gpu_test::fill(again, 128 * M, 999) == cudaSuccess);
+  CHECK(mismatches(again, 128 * M, 999) == 0);
+  CHECK(mismatches(hole, 16 * M, 77) == 0);  // written through the range before; not any more
+  CHECK(mismatches(blocks[3], 64 * M, 103) == 0);
+  allocator.deallocate(again, 128 * M);
+  allocator.deallocate(hole, 16 * M);
+  allocator.deallocate(blocks[3], 64 * M);
+  allocator.verify();
+  allocator.release_cached();
+  CHECK(allocator.stats().reserved_bytes == 0);
+}
+
 TEST_CASE("gpu: several streams at once each reuse their own blocks, kernels see their own data") {
   REQUIRE(cudaFree(nullptr) == cudaSuccess);
   stitching_allocator<cuda_provider, cuda_reserver, best_fit_tail_stitching, lru_eviction, mutex_lock> allocator(

@@ -232,9 +232,10 @@ class Child(unittest.TestCase):
         self.assertEqual(os.path.realpath(r["glake_library"]), os.path.realpath(SIM))
         self.assertEqual(r["glake_stats"]["allocations"], 0)  # the fake model allocates nothing through it
         self.assertEqual(r["peak_reserved_bytes"], 0)
-        # one count per step, of driver calls and stitches made during it (none here)
+        # one count per step, of driver calls, stitches and repairs made during it (none here)
         self.assertEqual(r["step_driver_calls"], [0] * len(r["step_times_s"]))
         self.assertEqual(r["step_stitches"], [0] * len(r["step_times_s"]))
+        self.assertEqual(r["step_stitch_repairs"], [0] * len(r["step_times_s"]))
         self.assertGreater(len(r["step_times_s"]), 0)
         self.assertNotIn("step_allocator_host_ms", r)  # only with GLAKE_HOST_TIMING
         code, r = self.run_child("glake", strategy="R", GLAKE_TORCH_LIBRARY=SIM, GLAKE_HOST_TIMING="1")

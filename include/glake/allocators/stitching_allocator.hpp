@@ -39,7 +39,10 @@ namespace glake {
 /// and served, in GMLake's order:
 ///   1. the best-fitting free block of its stream (split at a chunk boundary);
 ///   2. a cached stitched range of size S with R <= S <= R * reuse_limit whose first R bytes of
-///      chunks are all free: those chunks are claimed, the rest stay free for others;
+///      chunks are all free: those chunks are claimed, the rest stay free for others; failing
+///      that (for requests that may stitch, with handles of one size), such a range with at most
+///      half of those chunks taken since, once the taken ones are replaced in it by free chunks
+///      from elsewhere (an unmap, a map and access per replaced chunk, not per chunk of R);
 ///   3. a new stitch: the Stitch strategy picks free blocks of the stream, their chunks are mapped
 ///      side by side into a fresh range (one map per chunk, one set-access), and the blocks are
 ///      claimed (the last one split so the total is exact);
@@ -434,6 +437,9 @@ class stitching_allocator {
       if (block_type* b = arena_.best_fit(stream, size)) return hand_out(b, size, bytes);
     }
     const bool may_stitch = config_.stitching && size >= config_.frag_limit;
+    if (may_stitch) {
+      if (void* p = repair_stitch(size, bytes, stream)) return p;
+    }
     for (int rung = 0; rung <= 2; ++rung) {
       if (may_stitch && rung >= config_.defrag_level) {
         if (void* p = stitch(size, bytes, stream, false)) return p;
@@ -513,6 +519,147 @@ class stitching_allocator {
       if (s.has_free_event) backend_.reserver().recycle_event(s.free_event);
       s.has_free_event = false;
     }
+  }
+
+  // Step 2, repaired (before a new stitch): a cached range most of whose needed handles are
+  // free. The others, taken since by blocks allocated in place, are replaced in the range by
+  // free handles from elsewhere: an unmap, a map and access for each replaced handle, where a
+  // new stitch maps and grants access to every handle and leaves one more range cached. Only
+  // with handles of one size, only when at most half the handles need replacing, and only over
+  // a range whose work queued before its free has completed (it is remapped at once).
+  void* repair_stitch(std::size_t size, std::size_t requested, stream_ref stream) {
+    if (max_handle_ != chunk_) return nullptr;
+    const double limit = static_cast<double>(size) * config_.reuse_limit;
+    stitched* best = nullptr;
+    std::size_t best_missing = size / 2 + 1;
+    std::size_t probes = 0;
+    for (auto it = cached_by_size_.lower_bound(stitch_key{stream, size}, stitch_by_size{});
+         it != cached_by_size_.end() && it->stream == stream &&
+         static_cast<double>(it->size) <= limit && probes < max_reuse_probes;
+         ++it, ++probes) {
+      const std::size_t missing = missing_bytes(*it, size);
+      if (missing < best_missing && queue_drained(*it)) {
+        best = &*it;
+        best_missing = missing;
+      }
+    }
+    return best == nullptr ? nullptr : restitch(*best, size, requested, stream);
+  }
+
+  // Bytes of the first `size` of `s` not free on its stream (whole handles: blocks are runs of
+  // whole chunks, and here a chunk is a handle).
+  std::size_t missing_bytes(const stitched& s, std::size_t size) noexcept {
+    std::size_t need = size, missing = 0;
+    for (const piece& pc : s.pieces) {
+      if (need == 0) break;
+      const std::size_t take = std::min(pc.size, need);
+      const std::uintptr_t begin = pc.home->mapping.base + pc.offset, end = begin + take;
+      for (block_type* b = arena_.containing(begin); b != nullptr && b->address < end; b = arena_.next(b)) {
+        if (!b->free || b->stream != s.stream) {
+          missing += std::min(b->end(), end) - std::max(b->address, begin);
+        }
+        if (b->end() >= end) break;
+      }
+      need -= take;
+    }
+    return missing;
+  }
+
+  bool queue_drained(const stitched& s) {
+    if constexpr (has_events) {
+      return s.has_free_event && backend_.reserver().event_done(s.free_event);
+    } else {
+      return true;
+    }
+  }
+
+  // Replaces the handles of `s`'s first `size` bytes that are not free by free handles of
+  // `stream` that `s` does not map, then claims the prefix. Null, with nothing changed, when
+  // there are too few; null with `s` dropped when the driver fails to remap.
+  void* restitch(stitched& s, std::size_t size, std::size_t requested, stream_ref stream) {
+    // What the range maps now; a handle appears at most once in it.
+    handles_.clear();
+    members_.clear();
+    for (const piece& pc : s.pieces) {
+      const auto& m = pc.home->mapping;
+      for (std::size_t i = m.first_at_or_after(pc.offset); i < m.count && m.slots[i].offset < pc.offset + pc.size; ++i) {
+        handles_.push_back(m.slots[i]);
+        members_.emplace_back(pc.home, m.slots[i].offset);
+      }
+    }
+    std::sort(members_.begin(), members_.end());
+    const auto is_member = [&](const segment* home, std::size_t offset) {
+      return std::binary_search(members_.begin(), members_.end(), std::pair{home, offset});
+    };
+    // The range's handles after the repair, side by side, each with the block it lies in when
+    // it is to be claimed; and the spare handles taken for those that are not free.
+    const std::size_t count = size / chunk_;
+    next_.clear();
+    changes_.clear();
+    for (std::size_t i = 0, slot = 0; i < s.pieces.size(); ++i) {
+      const piece& pc = s.pieces[i];
+      for (std::size_t offset = pc.offset; offset < pc.offset + pc.size; offset += chunk_, ++slot) {
+        block_type* b = nullptr;
+        if (slot < count) {
+          b = arena_.containing(pc.home->mapping.base + offset);
+          if (!(b->free && b->stream == s.stream)) {
+            changes_.push_back(typename backend_type::replacement{slot, {}});
+            b = nullptr;
+          }
+        }
+        next_.push_back(next_handle{pc.home, offset, b});
+      }
+    }
+    const std::size_t wanted = changes_.size();
+    spares_.clear();
+    if (wanted > 0) {
+      arena_.for_each_free_largest_first(stream, [&](block_type& b) {
+        for (std::uintptr_t at = b.address; at < b.end() && spares_.size() < wanted; at += chunk_) {
+          const std::size_t offset = at - b.segment->mapping.base;
+          if (!is_member(b.segment, offset)) spares_.push_back(next_handle{b.segment, offset, &b});
+        }
+        return spares_.size() < wanted;
+      });
+      if (spares_.size() < wanted) return nullptr;
+    }
+    for (std::size_t c = 0; c < wanted; ++c) {
+      const next_handle& spare = spares_[c];
+      const auto& m = spare.home->mapping;
+      changes_[c].slot = m.slots[m.first_at_or_after(spare.offset)];
+      next_[changes_[c].index] = spare;
+    }
+    // New pieces: runs of neighbouring handles of one home (and, to be claimed, of one block).
+    std::vector<piece> pieces;
+    for (std::size_t slot = 0; slot < next_.size(); ++slot) {
+      const next_handle& h = next_[slot];
+      const bool joins = slot > 0 && slot != count && pieces.back().home == h.home &&
+                         pieces.back().offset + pieces.back().size == h.offset && next_[slot - 1].block == h.block;
+      if (joins) {
+        pieces.back().size += chunk_;
+      } else {
+        pieces.push_back(piece{h.home, h.offset, chunk_});
+      }
+    }
+    arena_.reserve_nodes(2 * pieces.size());
+    bool done = false;
+    try {
+      done = backend_.try_restitch(reinterpret_cast<void*>(s.base), handles_, changes_);
+    } catch (...) {
+      forget_stitch(&s);
+      throw;
+    }
+    if (!done) {
+      forget_stitch(&s);
+      return nullptr;
+    }
+    for (const piece& pc : s.pieces) --pc.home->stitch_refs;
+    for (const piece& pc : pieces) ++pc.home->stitch_refs;
+    s.pieces = std::move(pieces);
+    leave_stitch_cache(s);
+    claim_prefix(s, size, requested);
+    ++counters_.s.stitch_cache_hits;
+    ++counters_.s.stitch_repairs;
+    return reinterpret_cast<void*>(s.base);
   }
 
   // Free on the range's own stream: a block another stream has taken over is that stream's.
@@ -1112,6 +1259,12 @@ class stitching_allocator {
   }
 
   void drop_stitch(stitched* s) noexcept {
+    unmap_stitch(*s);
+    forget_stitch(s);
+  }
+
+  // A cached range's bookkeeping, once its mappings are gone.
+  void forget_stitch(stitched* s) noexcept {
     if constexpr (has_events) {
       if (s->has_free_event) backend_.reserver().recycle_event(s->free_event);
     }
@@ -1119,7 +1272,6 @@ class stitching_allocator {
     cached_by_size_.erase(cached_by_size_.iterator_to(*s));
     stitch_by_address_.erase(stitch_by_address_.iterator_to(*s));
     counters_.s.cached_stitch_bytes -= s->size;
-    unmap_stitch(*s);
     for (piece& pc : s->pieces) --pc.home->stitch_refs;
     ++counters_.s.stitch_evictions;
     stitches_.destroy(s);
@@ -1338,6 +1490,16 @@ class stitching_allocator {
   std::vector<std::size_t> candidate_sizes_;
   stitch_plan plan_;
   std::vector<slot_type> handles_;
+  // Scratch for restitch.
+  struct next_handle {
+    segment* home;
+    std::size_t offset;
+    block_type* block;  ///< the free block it lies in, when it is to be claimed
+  };
+  std::vector<std::pair<const segment*, std::size_t>> members_;
+  std::vector<next_handle> next_;
+  std::vector<next_handle> spares_;
+  std::vector<typename backend_type::replacement> changes_;
   std::vector<std::size_t> handle_sizes_;
   std::vector<segment*> pinned_;  // segments a live stitch keeps from release (bounded)
   std::vector<std::pair<std::uintptr_t, stream_ref>> extra_uses_;  // record_stream, live allocations

@@ -167,6 +167,62 @@ class vmm_backend {
     return base;
   }
 
+  /// A handle of a stitched range to replace: the one at `index` of its layout, by `slot`'s.
+  struct replacement {
+    std::size_t index = 0;
+    handle_slot<handle_type> slot{};
+  };
+
+  /// Replaces handles of a stitched range in place. `layout` is what the range at `base` maps
+  /// now, side by side; each replacement (in increasing `index`, each the same size as the
+  /// handle it replaces) unmaps that handle and maps the new one in its place; then access is
+  /// granted over the new ones, one call per run of neighbours. Costs an unmap, a map and access
+  /// per replaced handle only. True when done. On failure (false when out of mapping resources,
+  /// or the error propagates) the whole range is unmapped and its addresses freed, whatever it
+  /// mapped at that point: the caller then forgets it, as if it had been evicted.
+  bool try_restitch(void* base, std::span<const handle_slot<handle_type>> layout,
+                    std::span<const replacement> changes) {
+    char* const at0 = static_cast<char*>(base);
+    std::size_t applied = 0;  // changes [0, applied) map their new handle
+    bool hole = false;        // change `applied` has unmapped the old handle, not mapped the new
+    auto undo = [&]() noexcept {
+      std::size_t at = 0, bytes = 0, c = 0;
+      for (std::size_t i = 0; i < layout.size(); at += layout[i].size, ++i) {
+        const bool changed = c < changes.size() && changes[c].index == i;
+        if (!(changed && c == applied && hole)) unmap(at0 + at, layout[i].size);
+        if (changed) ++c;
+      }
+      for (const auto& h : layout) bytes += h.size;
+      free_range(base, bytes);
+    };
+    try {
+      std::size_t at = 0, i = 0;
+      for (const replacement& change : changes) {
+        for (; i < change.index; ++i) at += layout[i].size;
+        unmap(at0 + at, layout[i].size);
+        hole = true;
+        ++calls_[driver_call::map];
+        if (!reserver_.try_map(at0 + at, change.slot.size, change.slot.handle)) return undo(), false;
+        hole = false;
+        ++applied;
+      }
+      // Access over each run of neighbouring replaced handles.
+      at = 0, i = 0;
+      for (std::size_t c = 0; c < changes.size();) {
+        for (; i < changes[c].index; ++i) at += layout[i].size;
+        std::size_t run = 0;
+        for (; c < changes.size() && changes[c].index == i; ++c, ++i) run += layout[i].size;
+        ++calls_[driver_call::set_access];
+        if (!reserver_.try_set_access(at0 + at, run)) return undo(), false;
+        at += run;
+      }
+    } catch (...) {
+      undo();
+      throw;
+    }
+    return true;
+  }
+
   /// Unmaps one handle of a stitched range; with free_stitched, undoes try_map_stitched.
   void unmap_stitched(void* at, std::size_t bytes) noexcept { unmap(at, bytes); }
   void free_stitched(void* base, std::size_t bytes) noexcept { free_range(base, bytes); }
