@@ -69,6 +69,7 @@ TEST_CASE("config: the defaults are valid and follow GMLake") {
   CHECK(c.reuse_limit == 10.0);
   CHECK(c.auto_gc == 1000 * GiB);
   CHECK_FALSE(c.grow_stitch);
+  CHECK(c.stitch_reserve == 2.0);
 }
 
 TEST_CASE("config: validate names the first broken rule and the value") {
@@ -85,6 +86,12 @@ TEST_CASE("config: validate names the first broken rule and the value") {
        "must be >= 1"},
       {"reuse_limit infinite", [](config& c) { c.reuse_limit = HUGE_VAL; }, "reuse_limit",
        "must be finite"},
+      {"stitch_reserve below 1", [](config& c) { c.stitch_reserve = 0.9; }, "stitch_reserve",
+       "must be from 1 to 64 (got 0.9)"},
+      {"stitch_reserve NaN", [](config& c) { c.stitch_reserve = std::nan(""); }, "stitch_reserve",
+       "must be from 1 to 64"},
+      {"stitch_reserve above 64", [](config& c) { c.stitch_reserve = 65; }, "stitch_reserve",
+       "(got 65)"},
       {"defrag_level negative", [](config& c) { c.defrag_level = -1; }, "defrag_level",
        "must be 0, 1 or 2 (got -1)"},
       {"defrag_level 3", [](config& c) { c.defrag_level = 3; }, "defrag_level", "(got 3)"},
@@ -265,7 +272,8 @@ TEST_CASE("config: structural errors in the text say what is wrong") {
   // The list of valid keys names every setting.
   for (const char* key :
        {"stitching", "frag_limit", "reuse_limit", "defrag_level", "auto_gc", "grow_stitch",
-        "small_limit", "small_segment", "round_to", "chunk_size", "max_handle", "memory_limit"}) {
+        "small_limit", "small_segment", "round_to", "chunk_size", "max_handle", "memory_limit",
+        "stitch_reserve"}) {
     CAPTURE(key);
     CHECK(contains(unknown, key));
   }
@@ -319,6 +327,7 @@ TEST_CASE("config: to_string parses back to an equal config") {
   c.round_to = 2 * KiB;
   c.chunk_size = 2 * MiB;
   c.memory_limit = (std::size_t{5} << 40) + 4096;
+  c.stitch_reserve = 1.25;
   c.validate();
   const auto text = c.to_string();
   CAPTURE(text);

@@ -1,4 +1,4 @@
-// The internal building blocks: the node pool and the block arena.
+// The internal building blocks: the node pool, the block arena and the VMM backend's remapping.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -7,8 +7,10 @@
 #include <utility>
 #include <vector>
 
+#include "glake/backends/sim.hpp"
 #include "glake/detail/block_arena.hpp"
 #include "glake/detail/node_pool.hpp"
+#include "glake/detail/vmm_backend.hpp"
 
 namespace {
 
@@ -147,4 +149,56 @@ TEST_CASE("block_arena: check_tiling catches gaps, overruns and unmerged neighbo
   first->size = 1024;
   arena.give_back(first);
   CHECK_NOTHROW(arena.check_tiling(extent, fail, count));
+}
+
+TEST_CASE("vmm_backend: try_restitch replaces and appends handles within the reservation, and refuses bad changes") {
+  using namespace glake;
+  constexpr std::size_t chunk = 2 * MiB;
+  sim_device device(64 * MiB);
+  detail::vmm_backend<sim_provider, sim_reserver> backend(sim_provider{device}, sim_reserver{device});
+  detail::mapped_segment<sim_provider::handle_type> segment;
+  const std::vector<std::size_t> sizes(6, chunk);
+  REQUIRE(backend.try_create_segment(sizes, segment));
+  const auto slot = [&](std::size_t i) { return segment.slots[i]; };
+  const std::vector layout = {slot(0), slot(1)};
+  void* base = backend.try_map_stitched(layout, 4 * chunk);  // room for two more
+  REQUIRE(base != nullptr);
+  CHECK(device.reserved_bytes() == 6 * chunk + 4 * chunk);
+  const auto handle_at = [&](std::size_t i) {
+    const auto where = device.resolve(static_cast<char*>(base) + i * chunk);
+    return where.has_value() && where->accessible ? where->handle : ~std::uint64_t{0};
+  };
+  using change = decltype(backend)::replacement;
+  const std::size_t mappings = device.live_mappings();
+
+  // Refused, with nothing changed: appends past the reservation, a gap before an append, out of
+  // order, and a replacement of another size.
+  for (const std::vector<change>& bad :
+       {std::vector<change>{{2, slot(2)}, {3, slot(3)}, {4, slot(4)}}, std::vector<change>{{3, slot(3)}},
+        std::vector<change>{{1, slot(2)}, {0, slot(3)}},
+        std::vector<change>{{0, detail::handle_slot<sim_provider::handle_type>{slot(2).handle, 0, 2 * chunk}}}}) {
+    CHECK_THROWS_AS(backend.try_restitch(base, 4 * chunk, layout, bad), std::invalid_argument);
+    CHECK(device.live_mappings() == mappings);
+    CHECK(handle_at(0) == slot(0).handle.id);
+    CHECK(handle_at(1) == slot(1).handle.id);
+  }
+
+  // Replace the second handle and append two: 3 maps, one unmap, one access call over the run.
+  const auto calls = backend.calls();
+  const std::vector<change> changes = {{1, slot(3)}, {2, slot(4)}, {3, slot(5)}};
+  REQUIRE(backend.try_restitch(base, 4 * chunk, layout, changes));
+  CHECK(backend.calls()[driver_call::map] - calls[driver_call::map] == 3);
+  CHECK(backend.calls()[driver_call::unmap] - calls[driver_call::unmap] == 1);
+  CHECK(backend.calls()[driver_call::set_access] - calls[driver_call::set_access] == 1);
+  CHECK(handle_at(0) == slot(0).handle.id);
+  CHECK(handle_at(1) == slot(3).handle.id);
+  CHECK(handle_at(2) == slot(4).handle.id);
+  CHECK(handle_at(3) == slot(5).handle.id);
+
+  for (std::size_t i = 0; i < 4; ++i) backend.unmap_stitched(static_cast<char*>(base) + i * chunk, chunk);
+  backend.free_stitched(base, 4 * chunk);
+  backend.destroy_segment(segment);
+  CHECK(device.live_mappings() == 0);
+  CHECK(device.reserved_bytes() == 0);
+  CHECK(device.violations() == 0);
 }

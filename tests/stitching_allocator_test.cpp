@@ -164,6 +164,109 @@ TEST_CASE("stitching: a cached range with more than half its chunks taken is not
   CHECK(device.violations() == 0);
 }
 
+TEST_CASE("stitching: a cached range smaller than the request grows in place, mapping only what it lacks") {
+  sim_device device(1 * GiB);
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, stitch_everything());
+  fragmented f(allocator, device);
+  void* stitched = allocator.allocate(200 * M);
+  // Address space for twice the range (stitch_reserve 2), beside the four 100 MiB segments.
+  CHECK(device.reserved_bytes() == 400 * M + 400 * M);
+  allocator.deallocate(stitched, 200 * M);
+  allocator.deallocate(f.blocks[1], 100 * M);  // free memory the range does not map
+  const driver_call_counts before = allocator.stats().driver_calls;
+  const std::uint64_t access_before = device.set_access_mappings();
+
+  void* grown = allocator.allocate(260 * M);
+  CHECK(grown == stitched);
+  const statistics s = allocator.stats();
+  CHECK(s.stitches == 1);
+  CHECK(s.stitch_cache_hits == 1);
+  CHECK(s.stitch_grows == 1);
+  CHECK(s.stitch_repairs == 0);
+  CHECK(s.reserved_bytes == 400 * M);
+  CHECK(s.active_bytes == 360 * M);  // with blocks[3]
+  // The 30 chunks after the range's end were mapped and granted access in one call; nothing
+  // else was unmapped, reserved or created.
+  const auto delta = [&](driver_call c) { return s.driver_calls[c] - before[c]; };
+  CHECK(delta(driver_call::map) == 30);
+  CHECK(delta(driver_call::set_access) == 1);
+  CHECK(device.set_access_mappings() - access_before == 30);
+  CHECK(delta(driver_call::unmap) + delta(driver_call::reserve) + delta(driver_call::create) == 0);
+  // The first 200 MiB still map blocks 0 and 2; the new 60 MiB map part of block 1.
+  std::set<std::uint64_t> handles, block1;
+  for (std::size_t off = 0; off < 100 * M; off += 2 * M) block1.insert(handle_at(device, f.blocks[1], off));
+  for (std::size_t off = 0; off < 260 * M; off += 2 * M) {
+    const auto where = device.resolve(static_cast<char*>(grown) + off);
+    REQUIRE(where.has_value());
+    CHECK(where->accessible);
+    CHECK((block1.count(where->handle) == 1) == (off >= 200 * M));
+    handles.insert(where->handle);
+  }
+  CHECK(handles.size() == 130);
+  allocator.verify();
+
+  allocator.deallocate(grown, 260 * M);
+  CHECK(allocator.stats().cached_stitch_bytes == 260 * M);
+  CHECK(allocator.allocate(200 * M) == stitched);  // the grown range serves smaller requests too
+  CHECK(allocator.stats().stitch_cache_hits == 2);
+  allocator.deallocate(stitched, 200 * M);
+  allocator.deallocate(f.blocks[3], 100 * M);
+  allocator.verify();
+  allocator.release_cached();
+  CHECK(allocator.stats().reserved_bytes == 0);
+  CHECK(device.live_mappings() == 0);
+  CHECK(device.reserved_bytes() == 0);  // the whole reservation was freed, not just what was mapped
+  CHECK(device.violations() == 0);
+}
+
+TEST_CASE("stitching: stitch_reserve 1 reserves no room to grow, so a larger request stitches anew") {
+  sim_device device(1 * GiB);
+  config cfg = stitch_everything();
+  cfg.stitch_reserve = 1.0;
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, cfg);
+  fragmented f(allocator, device);
+  void* stitched = allocator.allocate(200 * M);
+  CHECK(device.reserved_bytes() == 400 * M + 200 * M);
+  allocator.deallocate(stitched, 200 * M);
+  allocator.deallocate(f.blocks[1], 100 * M);
+  void* other = allocator.allocate(260 * M);
+  CHECK(allocator.stats().stitches == 2);
+  CHECK(allocator.stats().stitch_grows == 0);
+  allocator.verify();
+  allocator.deallocate(other, 260 * M);
+  allocator.deallocate(f.blocks[3], 100 * M);
+  allocator.release_cached();
+  CHECK(device.reserved_bytes() == 0);
+  CHECK(device.violations() == 0);
+}
+
+TEST_CASE("stitching: with grow_stitch a cached range grows in place over new memory when free chunks fall short") {
+  sim_device device(500 * M);
+  config cfg = stitch_everything();
+  cfg.grow_stitch = true;
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, cfg);
+  fragmented f(allocator, device);
+  void* stitched = allocator.allocate(200 * M);
+  allocator.deallocate(stitched, 200 * M);
+  const driver_call_counts before = allocator.stats().driver_calls;
+  void* grown = allocator.allocate(260 * M);  // 200 MiB free, all of it in the range
+  CHECK(grown == stitched);
+  const statistics s = allocator.stats();
+  CHECK(s.stitch_grows == 1);
+  CHECK(s.stitches == 1);
+  CHECK(s.segments_created == 5);
+  CHECK(s.reserved_bytes == 460 * M);  // only the 60 MiB shortfall is new
+  const auto delta = [&](driver_call c) { return s.driver_calls[c] - before[c]; };
+  CHECK(delta(driver_call::create) == 30);
+  CHECK(delta(driver_call::map) == 30 + 30);  // in the new segment, then after the range's end
+  CHECK(delta(driver_call::unmap) == 0);
+  allocator.verify();
+  allocator.deallocate(grown, 260 * M);
+  for (int i : {1, 3}) allocator.deallocate(f.blocks[i], 100 * M);
+  allocator.verify();
+  CHECK(device.violations() == 0);
+}
+
 TEST_CASE("stitching: under memory pressure cached stitched mappings are dropped (StitchFree)") {
   sim_device device(400 * M);
   sim_stitching allocator(sim_provider{device}, sim_reserver{device}, stitch_everything());
@@ -485,6 +588,31 @@ TEST_CASE("rollback: a failure at any call of a repair forgets the cached range 
       },
       200 * M);
   CHECK(sites >= 20 + 1);  // 20 maps, a set-access (unmaps cannot fail)
+}
+
+TEST_CASE("rollback: a failure at any call of growing a cached range forgets it and serves the request anew") {
+  const int sites = fail_every_call_site(
+      1 * GiB, stitch_everything(),
+      [](faulty_stitching& a, const sim_device& d) {
+        fragmented f(a, d);
+        a.deallocate(a.allocate(200 * M), 200 * M);  // cached over blocks 0 and 2, room for 400 MiB
+        a.deallocate(f.blocks[1], 100 * M);           // free chunks to grow it by
+      },
+      260 * M);
+  CHECK(sites >= 30 + 1);  // 30 maps, a set-access
+}
+
+TEST_CASE("rollback: a failure at any call of growing a cached range over new memory leaves no segment behind") {
+  config cfg = stitch_everything();
+  cfg.grow_stitch = true;
+  const int sites = fail_every_call_site(
+      500 * M, cfg,
+      [](faulty_stitching& a, const sim_device& d) {
+        fragmented f(a, d);
+        a.deallocate(a.allocate(200 * M), 200 * M);
+      },
+      260 * M);
+  CHECK(sites >= (30 + 1 + 30 + 1) + (30 + 1));  // the new segment, then the growth
 }
 
 TEST_CASE("rollback: a failure while the small pool grows leaves everything as it was") {

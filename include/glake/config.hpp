@@ -50,6 +50,10 @@ struct config {
   std::size_t max_handle = 0;            ///< new memory comes in handles of chunk_size x 2^k up
                                          ///< to this (fewer driver calls); 0 means chunk_size only
   std::size_t memory_limit = 0;          ///< most physical bytes held; 0 means no limit
+  double stitch_reserve = 2.0;           ///< address space reserved for a new stitched range, as
+                                         ///< a multiple of its size: the excess lets the range,
+                                         ///< once cached, grow in place for a larger request;
+                                         ///< 1 means none
 
   /// Throws config_error naming the first setting that is out of range and why.
   void validate() const;
@@ -107,6 +111,7 @@ void for_each_config_field(Config& c, Visitor&& visit) {
   visit(std::string_view{"chunk_size"}, c.chunk_size);
   visit(std::string_view{"max_handle"}, c.max_handle);
   visit(std::string_view{"memory_limit"}, c.memory_limit);
+  visit(std::string_view{"stitch_reserve"}, c.stitch_reserve);
 }
 
 inline std::string_view trim(std::string_view text) {
@@ -358,6 +363,9 @@ inline std::optional<config_issue> find_config_issue(const config& c) {
   if (!(c.reuse_limit >= 1.0)) return issue("reuse_limit", "must be >= 1" + got(c.reuse_limit));
   if (!std::isfinite(c.reuse_limit)) {
     return issue("reuse_limit", "must be finite" + got(c.reuse_limit));
+  }
+  if (!(c.stitch_reserve >= 1.0) || !(c.stitch_reserve <= 64.0)) {
+    return issue("stitch_reserve", "must be from 1 to 64" + got(c.stitch_reserve));
   }
   if (c.defrag_level < 0 || c.defrag_level > 2) {
     return issue("defrag_level", "must be 0, 1 or 2" + got(c.defrag_level));

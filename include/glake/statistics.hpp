@@ -65,6 +65,8 @@ struct statistics {
   std::uint64_t stitches = 0;            ///< new stitched ranges built
   std::uint64_t stitch_cache_hits = 0;   ///< requests served by a cached stitched range
   std::uint64_t stitch_repairs = 0;      ///< of those, served after replacing some of its handles
+  std::uint64_t stitch_grows = 0;        ///< of those, served after mapping more handles after
+                                         ///< its end (a range smaller than the request)
   std::uint64_t stitch_evictions = 0;    ///< cached stitched ranges unmapped
   std::uint64_t cross_stream_bytes = 0;  ///< free bytes moved to another stream once the work
                                          ///< queued on theirs before the free had completed

@@ -140,6 +140,37 @@ TEST_CASE("gpu: a repaired cached stitch serves kernels and no longer maps the b
   CHECK(allocator.stats().reserved_bytes == 0);
 }
 
+TEST_CASE("gpu: a cached stitch grows in place into its reserved addresses and serves kernels") {
+  REQUIRE(cudaFree(nullptr) == cudaSuccess);
+  cuda_stitching allocator(cuda_provider(0), cuda_reserver(0), stitch_everything());
+  std::vector<void*> blocks;
+  for (int i = 0; i < 4; ++i) {
+    blocks.push_back(allocator.allocate(64 * M));
+    REQUIRE(gpu_test::fill(blocks[i], 64 * M, 100 + i) == cudaSuccess);
+  }
+  allocator.deallocate(blocks[0], 64 * M);
+  allocator.deallocate(blocks[2], 64 * M);
+  void* stitched = allocator.allocate(128 * M);
+  REQUIRE(allocator.stats().stitches == 1);
+  REQUIRE(gpu_test::fill(stitched, 128 * M, 5) == cudaSuccess);
+  allocator.deallocate(stitched, 128 * M);
+  allocator.deallocate(blocks[1], 64 * M);  // free chunks outside the range to grow it by
+  const std::size_t reserved = allocator.stats().reserved_bytes;
+  void* grown = allocator.allocate(160 * M);
+  CHECK(grown == stitched);
+  CHECK(allocator.stats().stitch_grows == 1);
+  CHECK(allocator.stats().stitches == 1);
+  CHECK(allocator.stats().reserved_bytes == reserved);
+  REQUIRE(gpu_test::fill(grown, 160 * M, 999) == cudaSuccess);
+  CHECK(mismatches(grown, 160 * M, 999) == 0);
+  CHECK(mismatches(blocks[3], 64 * M, 103) == 0);
+  allocator.deallocate(grown, 160 * M);
+  allocator.deallocate(blocks[3], 64 * M);
+  allocator.verify();
+  allocator.release_cached();
+  CHECK(allocator.stats().reserved_bytes == 0);
+}
+
 TEST_CASE("gpu: several streams at once each reuse their own blocks, kernels see their own data") {
   REQUIRE(cudaFree(nullptr) == cudaSuccess);
   stitching_allocator<cuda_provider, cuda_reserver, best_fit_tail_stitching, lru_eviction, mutex_lock> allocator(

@@ -145,10 +145,10 @@ void print_json(const replay_result& r, std::size_t capacity) {
                 r.driver_calls.counts[k]);
   }
   std::printf("},\"segments_created\":%" PRIu64 ",\"segments_released\":%" PRIu64 ",\"stitches\":%" PRIu64
-              ",\"stitch_cache_hits\":%" PRIu64 ",\"stitch_repairs\":%" PRIu64 ",\"cross_stream_bytes\":%" PRIu64
+              ",\"stitch_cache_hits\":%" PRIu64 ",\"stitch_repairs\":%" PRIu64 ",\"stitch_grows\":%" PRIu64 ",\"cross_stream_bytes\":%" PRIu64
               ",\"modeled_driver_us\":%.1f,\"host_ns_per_operation\":%.1f,\"recorded_peak_reserved_bytes\":%zu",
               r.segments_created, r.segments_released, r.stitches, r.stitch_cache_hits, r.stitch_repairs,
-              r.cross_stream_bytes,
+              r.stitch_grows, r.cross_stream_bytes,
               r.modeled_driver_us,
               r.host_ns_per_operation, r.recorded_peak_reserved);
   if (r.free_at_peak) {

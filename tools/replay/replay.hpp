@@ -30,6 +30,7 @@ struct replay_result {
   std::uint64_t stitches = 0;
   std::uint64_t stitch_cache_hits = 0;
   std::uint64_t stitch_repairs = 0;
+  std::uint64_t stitch_grows = 0;
   std::uint64_t cross_stream_bytes = 0;  ///< free bytes that moved to another stream
   double modeled_driver_us = 0;
   double host_ns_per_operation = 0;
@@ -109,6 +110,7 @@ inline replay_result replay_trace(const trace& t, const configuration& c, std::s
   r.stitches = s.stitches;
   r.stitch_cache_hits = s.stitch_cache_hits;
   r.stitch_repairs = s.stitch_repairs;
+  r.stitch_grows = s.stitch_grows;
   r.cross_stream_bytes = s.cross_stream_bytes;
   r.driver_calls = allocator->device().calls();
   if (c.model == driver_model::vmm) r.modeled_driver_us = modeled_vmm_us(allocator->device());

@@ -96,6 +96,7 @@ class segregator {
     s.stitches = a.stitches + b.stitches;
     s.stitch_cache_hits = a.stitch_cache_hits + b.stitch_cache_hits;
     s.stitch_repairs = a.stitch_repairs + b.stitch_repairs;
+    s.stitch_grows = a.stitch_grows + b.stitch_grows;
     s.stitch_evictions = a.stitch_evictions + b.stitch_evictions;
     s.cross_stream_bytes = a.cross_stream_bytes + b.cross_stream_bytes;
     for (std::size_t k = 0; k < driver_call_kinds; ++k) {

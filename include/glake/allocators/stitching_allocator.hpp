@@ -42,12 +42,15 @@ namespace glake {
 ///      chunks are all free: those chunks are claimed, the rest stay free for others; failing
 ///      that (for requests that may stitch, with handles of one size), such a range with at most
 ///      half of those chunks taken since, once the taken ones are replaced in it by free chunks
-///      from elsewhere (an unmap, a map and access per replaced chunk, not per chunk of R);
+///      from elsewhere (an unmap, a map and access per replaced chunk, not per chunk of R); or a
+///      smaller cached range grown in place: every stitched range reserves `stitch_reserve` times
+///      its size of address space, and free chunks are mapped after its end (a map and access
+///      each), when at most half of R's chunks are mapped anew this way;
 ///   3. a new stitch: the Stitch strategy picks free blocks of the stream, their chunks are mapped
 ///      side by side into a fresh range (one map per chunk, one set-access), and the blocks are
 ///      claimed (the last one split so the total is exact);
 ///   4. new physical memory: a segment of R bytes; with `grow_stitch`, only the shortfall over the
-///      free blocks, stitched with them;
+///      free blocks, used to grow a cached range as in step 2 or stitched with the free blocks;
 ///   5. under pressure: drop cached stitched mappings and fully free segments (Evict order),
 ///      reclaim the small pool's empty segments, and retry; stitching is tried at the ladder's
 ///      rung `defrag_level` and above, and only for requests of at least `frag_limit`.
@@ -151,7 +154,8 @@ class stitching_allocator {
 
   struct stitched : eviction_hook, stitch_address_hook, stitch_size_hook {
     std::uintptr_t base = 0;
-    std::size_t size = 0;
+    std::size_t size = 0;           ///< mapped, from base
+    std::size_t reserved = 0;       ///< address space reserved at base (>= size): room to grow
     stream_ref stream{};
     std::vector<piece> pieces;
     bool live = false;
@@ -438,7 +442,7 @@ class stitching_allocator {
     }
     const bool may_stitch = config_.stitching && size >= config_.frag_limit;
     if (may_stitch) {
-      if (void* p = repair_stitch(size, bytes, stream)) return p;
+      if (void* p = repair_stitch(size, bytes, stream, false)) return p;
     }
     for (int rung = 0; rung <= 2; ++rung) {
       if (may_stitch && rung >= config_.defrag_level) {
@@ -475,6 +479,7 @@ class stitching_allocator {
         release_free_segments(~std::size_t{0});
       }
       if (may_stitch && config_.grow_stitch) {
+        if (void* p = repair_stitch(size, bytes, stream, true)) return p;
         if (void* p = stitch(size, bytes, stream, true)) return p;
       }
       if (block_type* b = add_segment(size, stream)) return hand_out(b, size, bytes);
@@ -521,29 +526,44 @@ class stitching_allocator {
     }
   }
 
-  // Step 2, repaired (before a new stitch): a cached range most of whose needed handles are
-  // free. The others, taken since by blocks allocated in place, are replaced in the range by
+  // Step 2, repaired or grown (before a new stitch): a cached range most of whose needed handles
+  // are free. The others, taken since by blocks allocated in place, are replaced in the range by
   // free handles from elsewhere: an unmap, a map and access for each replaced handle, where a
-  // new stitch maps and grants access to every handle and leaves one more range cached. Only
-  // with handles of one size, only when at most half the handles need replacing, and only over
-  // a range whose work queued before its free has completed (it is remapped at once).
-  void* repair_stitch(std::size_t size, std::size_t requested, stream_ref stream) {
-    if (max_handle_ != chunk_) return nullptr;
+  // new stitch maps and grants access to every handle and leaves one more range cached. A range
+  // smaller than the request whose reservation has room grows in place: free handles are mapped
+  // after its end (a map and access each). Only with handles of one size, only when at most half
+  // the request's handles are mapped anew, and only over a range whose work queued before its
+  // free has completed when a mapped handle is replaced (appending touches no address that work
+  // could use). With `may_grow`, new memory makes up for too few free handles.
+  void* repair_stitch(std::size_t size, std::size_t requested, stream_ref stream, bool may_grow) {
+    if (max_handle_ != chunk_ || cached_by_size_.empty()) return nullptr;
     const double limit = static_cast<double>(size) * config_.reuse_limit;
     stitched* best = nullptr;
-    std::size_t best_missing = size / 2 + 1;
-    std::size_t probes = 0;
-    for (auto it = cached_by_size_.lower_bound(stitch_key{stream, size}, stitch_by_size{});
-         it != cached_by_size_.end() && it->stream == stream &&
-         static_cast<double>(it->size) <= limit && probes < max_reuse_probes;
-         ++it, ++probes) {
-      const std::size_t missing = missing_bytes(*it, size);
-      if (missing < best_missing && queue_drained(*it)) {
-        best = &*it;
-        best_missing = missing;
+    std::size_t best_cost = size / 2 + 1;  // bytes to map anew
+    const auto consider = [&](stitched& s) {
+      const std::size_t grow = s.size < size ? size - s.size : 0;
+      if (grow >= best_cost || s.reserved < size) return;
+      const std::size_t missing = missing_bytes(s, std::min(size, s.size));
+      if (missing + grow < best_cost && (missing == 0 || queue_drained(s))) {
+        best = &s;
+        best_cost = missing + grow;
       }
+    };
+    const auto from = cached_by_size_.lower_bound(stitch_key{stream, size}, stitch_by_size{});
+    std::size_t probes = 0;
+    for (auto it = from; it != cached_by_size_.end() && it->stream == stream &&
+                         static_cast<double>(it->size) <= limit && probes < max_reuse_probes;
+         ++it, ++probes) {
+      consider(*it);
     }
-    return best == nullptr ? nullptr : restitch(*best, size, requested, stream);
+    // Smaller ranges, largest first, while growing one would cost less than the best so far.
+    probes = 0;
+    for (auto it = from; it != cached_by_size_.begin() && probes < max_reuse_probes; ++probes) {
+      --it;
+      if (it->stream != stream || it->size + best_cost <= size) break;
+      consider(*it);
+    }
+    return best == nullptr ? nullptr : restitch(*best, size, requested, stream, may_grow);
   }
 
   // Bytes of the first `size` of `s` not free on its stream (whole handles: blocks are runs of
@@ -574,28 +594,27 @@ class stitching_allocator {
   }
 
   // Replaces the handles of `s`'s first `size` bytes that are not free by free handles of
-  // `stream` that `s` does not map, then claims the prefix. Null, with nothing changed, when
-  // there are too few; null with `s` dropped when the driver fails to remap.
-  void* restitch(stitched& s, std::size_t size, std::size_t requested, stream_ref stream) {
+  // `stream` that `s` does not map, maps more such handles after its end when `size` is larger
+  // (new memory for those missing with `may_grow`), then claims the prefix. Null, with nothing
+  // changed, when there are too few; null with `s` dropped when the driver fails to remap.
+  void* restitch(stitched& s, std::size_t size, std::size_t requested, stream_ref stream, bool may_grow) {
     // What the range maps now; a handle appears at most once in it.
     handles_.clear();
     members_.clear();
-    for (const piece& pc : s.pieces) {
-      const auto& m = pc.home->mapping;
-      for (std::size_t i = m.first_at_or_after(pc.offset); i < m.count && m.slots[i].offset < pc.offset + pc.size; ++i) {
-        handles_.push_back(m.slots[i]);
-        members_.emplace_back(pc.home, m.slots[i].offset);
-      }
-    }
+    for_each_handle(s, [&](const piece& pc, const slot_type& h) {
+      handles_.push_back(h);
+      members_.emplace_back(pc.home, h.offset);
+    });
     std::sort(members_.begin(), members_.end());
     const auto is_member = [&](const segment* home, std::size_t offset) {
       return std::binary_search(members_.begin(), members_.end(), std::pair{home, offset});
     };
     // The range's handles after the repair, side by side, each with the block it lies in when
-    // it is to be claimed; and the spare handles taken for those that are not free.
+    // it is to be claimed; and the spare handles taken for those that are not free or not there.
     const std::size_t count = size / chunk_;
     next_.clear();
     changes_.clear();
+    std::size_t replaced = 0;
     for (std::size_t i = 0, slot = 0; i < s.pieces.size(); ++i) {
       const piece& pc = s.pieces[i];
       for (std::size_t offset = pc.offset; offset < pc.offset + pc.size; offset += chunk_, ++slot) {
@@ -604,11 +623,16 @@ class stitching_allocator {
           b = arena_.containing(pc.home->mapping.base + offset);
           if (!(b->free && b->stream == s.stream)) {
             changes_.push_back(typename backend_type::replacement{slot, {}});
+            ++replaced;
             b = nullptr;
           }
         }
         next_.push_back(next_handle{pc.home, offset, b});
       }
+    }
+    for (std::size_t slot = next_.size(); slot < count; ++slot) {
+      changes_.push_back(typename backend_type::replacement{slot, {}});
+      next_.push_back(next_handle{});
     }
     const std::size_t wanted = changes_.size();
     spares_.clear();
@@ -620,7 +644,15 @@ class stitching_allocator {
         }
         return spares_.size() < wanted;
       });
-      if (spares_.size() < wanted) return nullptr;
+    }
+    block_type* grown = nullptr;
+    if (spares_.size() < wanted) {
+      if (!may_grow) return nullptr;
+      grown = add_segment((wanted - spares_.size()) * chunk_, stream);
+      if (grown == nullptr) return nullptr;
+      for (std::uintptr_t at = grown->address; at < grown->end(); at += chunk_) {
+        spares_.push_back(next_handle{grown->segment, at - grown->segment->mapping.base, grown});
+      }
     }
     for (std::size_t c = 0; c < wanted; ++c) {
       const next_handle& spare = spares_[c];
@@ -629,37 +661,61 @@ class stitching_allocator {
       next_[changes_[c].index] = spare;
     }
     // New pieces: runs of neighbouring handles of one home (and, to be claimed, of one block).
-    std::vector<piece> pieces;
+    pieces_.clear();
     for (std::size_t slot = 0; slot < next_.size(); ++slot) {
       const next_handle& h = next_[slot];
-      const bool joins = slot > 0 && slot != count && pieces.back().home == h.home &&
-                         pieces.back().offset + pieces.back().size == h.offset && next_[slot - 1].block == h.block;
+      const bool joins = slot > 0 && slot != count && pieces_.back().home == h.home &&
+                         pieces_.back().offset + pieces_.back().size == h.offset && next_[slot - 1].block == h.block;
       if (joins) {
-        pieces.back().size += chunk_;
+        pieces_.back().size += chunk_;
       } else {
-        pieces.push_back(piece{h.home, h.offset, chunk_});
+        pieces_.push_back(piece{h.home, h.offset, chunk_});
       }
     }
-    arena_.reserve_nodes(2 * pieces.size());
     bool done = false;
     try {
-      done = backend_.try_restitch(reinterpret_cast<void*>(s.base), handles_, changes_);
+      arena_.reserve_nodes(2 * pieces_.size());
+      done = backend_.try_restitch(reinterpret_cast<void*>(s.base), s.reserved, handles_, changes_);
     } catch (...) {
       forget_stitch(&s);
+      if (grown != nullptr) drop_segment(grown->segment);
       throw;
     }
     if (!done) {
       forget_stitch(&s);
+      if (grown != nullptr) drop_segment(grown->segment);
       return nullptr;
     }
     for (const piece& pc : s.pieces) --pc.home->stitch_refs;
-    for (const piece& pc : pieces) ++pc.home->stitch_refs;
-    s.pieces = std::move(pieces);
+    for (const piece& pc : pieces_) ++pc.home->stitch_refs;
     leave_stitch_cache(s);
+    s.pieces.swap(pieces_);  // the old pieces' storage is the next repair's scratch
+    s.size = std::max(s.size, size);
     claim_prefix(s, size, requested);
     ++counters_.s.stitch_cache_hits;
-    ++counters_.s.stitch_repairs;
+    if (replaced > 0) ++counters_.s.stitch_repairs;
+    if (wanted > replaced) ++counters_.s.stitch_grows;
     return reinterpret_cast<void*>(s.base);
+  }
+
+  // Calls f(piece, slot) for each handle `s` maps, in the range's order.
+  template <class F>
+  static void for_each_handle(const stitched& s, F&& f) {
+    for (const piece& pc : s.pieces) {
+      const auto& m = pc.home->mapping;
+      for (std::size_t i = m.first_at_or_after(pc.offset); i < m.count && m.slots[i].offset < pc.offset + pc.size; ++i) {
+        f(pc, m.slots[i]);
+      }
+    }
+  }
+
+  // The address space to reserve for a new stitched range of `size`: room to grow in place
+  // (stitch_reserve), where a cached range can grow at all (handles of one size).
+  std::size_t reservation_for(std::size_t size) const noexcept {
+    if (max_handle_ != chunk_ || config_.stitch_reserve <= 1.0) return size;
+    const double want = static_cast<double>(size) * config_.stitch_reserve;
+    if (!(want < static_cast<double>(std::numeric_limits<std::size_t>::max() / 2))) return size;
+    return std::max(size, detail::round_up(static_cast<std::size_t>(want), chunk_));
   }
 
   // Free on the range's own stream: a block another stream has taken over is that stream's.
@@ -736,19 +792,21 @@ class stitching_allocator {
       if (grown != nullptr && need > 0) add_piece(candidate{grown, 0, grown->size});
       handles_.clear();
       std::size_t mapped = 0;
-      for (const piece& pc : s->pieces) {
-        const auto& m = pc.home->mapping;
-        for (std::size_t i = m.first_at_or_after(pc.offset); i < m.count && m.slots[i].offset < pc.offset + pc.size; ++i) {
-          handles_.push_back(m.slots[i]);
-          mapped += m.slots[i].size;
-        }
-      }
+      for_each_handle(*s, [&](const piece&, const slot_type& h) {
+        handles_.push_back(h);
+        mapped += h.size;
+      });
       s->size = mapped;
+      s->reserved = reservation_for(mapped);
       arena_.reserve_nodes(2 * s->pieces.size());
-      void* base = backend_.try_map_stitched(handles_);
+      void* base = backend_.try_map_stitched(handles_, s->reserved);
+      if (base == nullptr && s->reserved > mapped) {
+        s->reserved = mapped;  // room to grow is a nicety; the addresses may be what ran out
+        base = backend_.try_map_stitched(handles_, s->reserved);
+      }
       if (base == nullptr && !stitch_queue_.empty()) {
         evict_stitches(~std::size_t{0}, true);  // StitchFree: mappings may be what ran out
-        base = backend_.try_map_stitched(handles_);
+        base = backend_.try_map_stitched(handles_, s->reserved);
       }
       if (base == nullptr) {
         abandon_stitch(s, grown);
@@ -1280,14 +1338,11 @@ class stitching_allocator {
   // Unmaps every handle of a stitched range and frees its addresses; its memory stays home.
   void unmap_stitch(const stitched& s) noexcept {
     std::size_t at = 0;
-    for (const piece& pc : s.pieces) {
-      const auto& m = pc.home->mapping;
-      for (std::size_t i = m.first_at_or_after(pc.offset); i < m.count && m.slots[i].offset < pc.offset + pc.size; ++i) {
-        backend_.unmap_stitched(reinterpret_cast<void*>(s.base + at), m.slots[i].size);
-        at += m.slots[i].size;
-      }
-    }
-    backend_.free_stitched(reinterpret_cast<void*>(s.base), s.size);
+    for_each_handle(s, [&](const piece&, const slot_type& h) {
+      backend_.unmap_stitched(reinterpret_cast<void*>(s.base + at), h.size);
+      at += h.size;
+    });
+    backend_.free_stitched(reinterpret_cast<void*>(s.base), s.reserved);
   }
 
   // Gives fully free segments back to the backend in Evict order until `bytes` are released.
@@ -1443,6 +1498,7 @@ class stitching_allocator {
         }
       }
       if (mapped != s.size) fail("a stitch's pieces do not add up to its size");
+      if (s.reserved < s.size) fail("a stitch maps more than it reserved");
       if (s.live) {
         active += s.requested;
       } else {
@@ -1499,6 +1555,7 @@ class stitching_allocator {
   std::vector<std::pair<const segment*, std::size_t>> members_;
   std::vector<next_handle> next_;
   std::vector<next_handle> spares_;
+  std::vector<piece> pieces_;
   std::vector<typename backend_type::replacement> changes_;
   std::vector<std::size_t> handle_sizes_;
   std::vector<segment*> pinned_;  // segments a live stitch keeps from release (bounded)

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <stdexcept>
 #include <utility>
 
 #include "glake/backends/concepts.hpp"
@@ -133,13 +134,17 @@ class vmm_backend {
     segment = segment_type{};
   }
 
-  /// Reserves a fresh range and maps the given handles side by side in it: a stitched range.
-  /// Null when out of address space or mapping resources; nothing is left behind.
-  void* try_map_stitched(std::span<const handle_slot<handle_type>> handles) {
+  /// Reserves a fresh range of at least `reserve` bytes and maps the given handles side by side
+  /// at its start: a stitched range. Addresses past the handles stay reserved, unmapped, so that
+  /// try_restitch can append handles later. Null when out of address space or mapping
+  /// resources; nothing is left behind. The range is freed with free_stitched(base, reserved)
+  /// where reserved = max(reserve, sum of the handles' sizes).
+  void* try_map_stitched(std::span<const handle_slot<handle_type>> handles, std::size_t reserve = 0) {
     std::size_t bytes = 0;
     for (const auto& h : handles) bytes += h.size;
+    const std::size_t reserved = std::max(bytes, reserve);
     ++calls_[driver_call::reserve];
-    void* base = reserver_.try_reserve(bytes);
+    void* base = reserver_.try_reserve(reserved);
     if (base == nullptr) return nullptr;
     std::size_t mapped = 0, offset = 0;
     auto undo = [&]() noexcept {
@@ -148,7 +153,7 @@ class vmm_backend {
         unmap(static_cast<char*>(base) + at, handles[i].size);
         at += handles[i].size;
       }
-      free_range(base, bytes);
+      free_range(base, reserved);
     };
     try {
       for (; mapped < handles.size(); ++mapped) {
@@ -167,51 +172,74 @@ class vmm_backend {
     return base;
   }
 
-  /// A handle of a stitched range to replace: the one at `index` of its layout, by `slot`'s.
+  /// A handle of a stitched range to replace, or to append: the one at `index` of its layout
+  /// (an index past the layout's end appends), by `slot`'s.
   struct replacement {
     std::size_t index = 0;
     handle_slot<handle_type> slot{};
   };
 
-  /// Replaces handles of a stitched range in place. `layout` is what the range at `base` maps
-  /// now, side by side; each replacement (in increasing `index`, each the same size as the
-  /// handle it replaces) unmaps that handle and maps the new one in its place; then access is
-  /// granted over the new ones, one call per run of neighbours. Costs an unmap, a map and access
-  /// per replaced handle only. True when done. On failure (false when out of mapping resources,
-  /// or the error propagates) the whole range is unmapped and its addresses freed, whatever it
-  /// mapped at that point: the caller then forgets it, as if it had been evicted.
-  bool try_restitch(void* base, std::span<const handle_slot<handle_type>> layout,
+  /// Replaces handles of a stitched range in place, and appends handles after it within its
+  /// reservation. `layout` is what the range at `base` maps now, side by side, and `reserved`
+  /// the bytes reserved at `base`. Changes come in increasing `index`: one inside the layout
+  /// (the same size as the handle it replaces) unmaps that handle and maps the new one in its
+  /// place; those at layout.size(), layout.size() + 1, ... map new handles after the layout,
+  /// which must fit in `reserved`. Then access is granted over the new ones, one call per run of
+  /// neighbours. Costs an unmap (replaced handles only), a map and access per change. True when
+  /// done. On failure (false when out of mapping resources, or the error propagates) the whole
+  /// range is unmapped and its addresses freed, whatever it mapped at that point: the caller
+  /// then forgets it, as if it had been evicted.
+  bool try_restitch(void* base, std::size_t reserved, std::span<const handle_slot<handle_type>> layout,
                     std::span<const replacement> changes) {
+    std::size_t total = 0;
+    for (const auto& h : layout) total += h.size;
+    const std::size_t first_append = appends_from(changes, layout.size());
+    for (std::size_t c = 0; c < changes.size(); ++c) {
+      const std::size_t index = changes[c].index;
+      const bool ordered = c == 0 || changes[c - 1].index < index;
+      const bool appends = index >= layout.size();
+      if (!ordered || (appends && index != layout.size() + (c - first_append)) ||
+          (!appends && changes[c].slot.size != layout[index].size)) {
+        throw std::invalid_argument("glake: try_restitch: changes out of order, misplaced or of the wrong size");
+      }
+      if (appends) total += changes[c].slot.size;
+    }
+    if (total > reserved) throw std::invalid_argument("glake: try_restitch: appended handles exceed the reservation");
+
     char* const at0 = static_cast<char*>(base);
     std::size_t applied = 0;  // changes [0, applied) map their new handle
     bool hole = false;        // change `applied` has unmapped the old handle, not mapped the new
     auto undo = [&]() noexcept {
-      std::size_t at = 0, bytes = 0, c = 0;
+      std::size_t at = 0, c = 0;
       for (std::size_t i = 0; i < layout.size(); at += layout[i].size, ++i) {
         const bool changed = c < changes.size() && changes[c].index == i;
         if (!(changed && c == applied && hole)) unmap(at0 + at, layout[i].size);
         if (changed) ++c;
       }
-      for (const auto& h : layout) bytes += h.size;
-      free_range(base, bytes);
+      for (; c < applied; at += changes[c].slot.size, ++c) unmap(at0 + at, changes[c].slot.size);
+      free_range(base, reserved);
     };
     try {
       std::size_t at = 0, i = 0;
       for (const replacement& change : changes) {
-        for (; i < change.index; ++i) at += layout[i].size;
-        unmap(at0 + at, layout[i].size);
-        hole = true;
+        for (; i < change.index; ++i) at += layout[i].size;  // appends are consecutive: i < layout.size()
+        if (i < layout.size()) {
+          unmap(at0 + at, layout[i].size);
+          hole = true;
+        }
         ++calls_[driver_call::map];
         if (!reserver_.try_map(at0 + at, change.slot.size, change.slot.handle)) return undo(), false;
         hole = false;
         ++applied;
+        at += change.slot.size;
+        ++i;
       }
-      // Access over each run of neighbouring replaced handles.
+      // Access over each run of neighbouring changed handles.
       at = 0, i = 0;
       for (std::size_t c = 0; c < changes.size();) {
         for (; i < changes[c].index; ++i) at += layout[i].size;
         std::size_t run = 0;
-        for (; c < changes.size() && changes[c].index == i; ++c, ++i) run += layout[i].size;
+        for (; c < changes.size() && changes[c].index == i; ++c, ++i) run += changes[c].slot.size;
         ++calls_[driver_call::set_access];
         if (!reserver_.try_set_access(at0 + at, run)) return undo(), false;
         at += run;
@@ -223,11 +251,19 @@ class vmm_backend {
     return true;
   }
 
-  /// Unmaps one handle of a stitched range; with free_stitched, undoes try_map_stitched.
+  /// Unmaps one handle of a stitched range; with free_stitched (of the bytes reserved), undoes
+  /// try_map_stitched.
   void unmap_stitched(void* at, std::size_t bytes) noexcept { unmap(at, bytes); }
   void free_stitched(void* base, std::size_t bytes) noexcept { free_range(base, bytes); }
 
  private:
+  // The index of the first change that appends (changes.size() when none does).
+  static std::size_t appends_from(std::span<const replacement> changes, std::size_t layout_size) noexcept {
+    std::size_t c = 0;
+    while (c < changes.size() && changes[c].index < layout_size) ++c;
+    return c;
+  }
+
   void unmap(void* at, std::size_t bytes) noexcept {
     ++calls_[driver_call::unmap];
     reserver_.unmap(at, bytes);
