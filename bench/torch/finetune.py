@@ -38,6 +38,7 @@ for building the plug-in and the commands used on the GPU machine.
 """
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -215,11 +216,31 @@ def run_training(args, result, device):
     # glake runs: the driver calls, stitches and repaired cached stitches made during each step
     # (read after the step's clock stops), so step times can be told apart by whether the
     # allocator went to the driver.
-    step_calls, step_stitches, step_repairs, step_host_ms = [], [], [], []
+    step_calls, step_stitches, step_repairs, step_grows, step_host_ms = [], [], [], [], []
     last = glake.stats(device) if glake is not None else None
     last_host = glake.host_time() if glake is not None else None
+    # Time in Python's cyclic garbage collector during each step: a pause of the host thread that
+    # launches the step's kernels, whichever allocator runs.
+    gc_seconds, gc_started, step_gc_ms = [0.0], [None], []
+
+    def on_gc(phase, _info):
+        if phase == "start":
+            gc_started[0] = time.perf_counter()
+        elif gc_started[0] is not None:
+            gc_seconds[0] += time.perf_counter() - gc_started[0]
+            gc_started[0] = None
+
+    gc.callbacks.append(on_gc)
+    result["gc_outside_steps"] = bool(args.gc_outside_steps)
+    if args.gc_outside_steps:
+        gc.collect()
+        gc.freeze()  # what exists now (model, modules) is never scanned again
     try:
         for step, length in enumerate(lengths, 1):
+            if args.gc_outside_steps:
+                gc.collect()
+                gc.disable()
+            gc_before = gc_seconds[0]
             torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             ids = torch.randint(0, config.vocab_size, (BATCH, length), device=f"cuda:{device}", generator=generator)
@@ -235,11 +256,15 @@ def run_training(args, result, device):
             optimizer.zero_grad(set_to_none=True)
             torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
+            step_gc_ms.append(round((gc_seconds[0] - gc_before) * 1000, 3))
+            if args.gc_outside_steps:
+                gc.enable()
             if glake is not None:
                 now = glake.stats(device)
                 step_calls.append(now["driver_calls"] - last["driver_calls"])
                 step_stitches.append(now["stitches"] - last["stitches"])
                 step_repairs.append(now["stitch_repairs"] - last["stitch_repairs"])
+                step_grows.append(now.get("stitch_grows", 0) - last.get("stitch_grows", 0))
                 last = now
                 if last_host is not None:
                     host = glake.host_time()
@@ -256,9 +281,12 @@ def run_training(args, result, device):
             raise
         result.update(status="oom", error=f"{type(error).__name__}: {error}"[:2000], oom_step=len(times) + 1)
     finally:
-        result.update(step_times_s=[round(t, 4) for t in times], median_step_s=median_step(times))
+        gc.enable()
+        gc.callbacks.remove(on_gc)
+        result.update(step_times_s=[round(t, 4) for t in times], median_step_s=median_step(times), step_gc_ms=step_gc_ms)
         if glake is not None:
-            result.update(step_driver_calls=step_calls, step_stitches=step_stitches, step_stitch_repairs=step_repairs)
+            result.update(step_driver_calls=step_calls, step_stitches=step_stitches, step_stitch_repairs=step_repairs,
+                          step_stitch_grows=step_grows)
             if last_host is not None:
                 result["step_allocator_host_ms"] = step_host_ms
         if losses:
@@ -378,6 +406,8 @@ def drive(args, driver_command):
             common += ["--glake-conf", args.glake_conf]
         if args.progress:
             common.append("--progress")
+        if args.gc_outside_steps:
+            common.append("--gc-outside-steps")
         if args.fsdp:
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.fsdp}"]
             command += common + ["--fsdp", str(args.fsdp)]
@@ -611,6 +641,8 @@ def parse(argv):
     parser.add_argument("--allocator", choices=ALLOCATORS, help=argparse.SUPPRESS)
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
     parser.add_argument("--progress", action="store_true", help="children print every step on stderr")
+    parser.add_argument("--gc-outside-steps", action="store_true",
+                        help="Python's cyclic garbage collector runs between steps, outside their clocks, not during them")
     args = parser.parse_args(argv)
     if args.child and not (args.model and args.strategy and args.allocator):
         parser.error("--child needs --model, --strategy and --allocator")

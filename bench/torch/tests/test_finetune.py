@@ -68,6 +68,13 @@ class Driver(unittest.TestCase):
             logs = sorted(os.listdir(os.path.join(directory, "logs")))
             return results, written, logs, progress.getvalue(), directory
 
+    def test_gc_outside_steps_reaches_the_children(self):
+        children = FakeChildren(numbers)
+        self.run_driver(["--models", "opt1.3b", "--strategies", "N", "--steps", "3", "--gc-outside-steps"], children)
+        self.assertTrue(children.calls)
+        for command, _ in children.calls:
+            self.assertIn("--gc-outside-steps", command)
+
     def test_one_process_per_run_with_the_allocator_chosen_by_environment(self):
         children = FakeChildren(numbers, missing={("llama1b", "R", "glake")})
         results, written, logs, progress, directory = self.run_driver(
@@ -182,13 +189,13 @@ SIM = os.environ.get("GLAKE_TORCH_SIM_LIBRARY")
 class Child(unittest.TestCase):
     """The child's code path over fake torch, transformers and peft (tests/fake_modules)."""
 
-    def run_child(self, allocator, strategy="LR", steps=4, **env):
+    def run_child(self, allocator, strategy="LR", steps=4, extra=(), **env):
         with tempfile.TemporaryDirectory() as directory:
             out = os.path.join(directory, "rank{rank}.json")
             environment = {k: v for k, v in os.environ.items() if k not in finetune.ALLOC_CONF_VARIABLES}
             environment.update(PYTHONPATH=FAKES, **env)
             run = subprocess.run([sys.executable, SCRIPT, "--child", "--model", "opt1.3b", "--strategy", strategy,
-                                  "--allocator", allocator, "--steps", str(steps), "--result-file", out],
+                                  "--allocator", allocator, "--steps", str(steps), "--result-file", out, *extra],
                                  capture_output=True, text=True, env=environment)
             with open(out.replace("{rank}", "0")) as f:
                 result = json.load(f)
@@ -215,6 +222,17 @@ class Child(unittest.TestCase):
         self.assertEqual(len(r["step_times_s"]), 1)
         self.assertEqual(r["peak_reserved_bytes"], 4 * GB)  # peaks still reported
 
+    def test_garbage_collection_is_timed_per_step_and_can_run_between_steps(self):
+        code, r = self.run_child("default", strategy="N")
+        self.assertEqual((code, r["status"]), (0, "ok"), r.get("error"))
+        self.assertFalse(r["gc_outside_steps"])
+        self.assertEqual(len(r["step_gc_ms"]), len(r["step_times_s"]))
+        self.assertTrue(all(ms >= 0 for ms in r["step_gc_ms"]))
+        code, r = self.run_child("default", strategy="N", extra=["--gc-outside-steps"])
+        self.assertEqual((code, r["status"]), (0, "ok"), r.get("error"))
+        self.assertTrue(r["gc_outside_steps"])
+        self.assertEqual(r["step_gc_ms"], [0.0] * len(r["step_times_s"]))  # none inside a step's clock
+
     def test_expandable_needs_its_variable(self):
         code, r = self.run_child("expandable", strategy="N")
         self.assertEqual((code, r["status"]), (1, "error"))
@@ -236,6 +254,7 @@ class Child(unittest.TestCase):
         self.assertEqual(r["step_driver_calls"], [0] * len(r["step_times_s"]))
         self.assertEqual(r["step_stitches"], [0] * len(r["step_times_s"]))
         self.assertEqual(r["step_stitch_repairs"], [0] * len(r["step_times_s"]))
+        self.assertEqual(r["step_stitch_grows"], [0] * len(r["step_times_s"]))
         self.assertGreater(len(r["step_times_s"]), 0)
         self.assertNotIn("step_allocator_host_ms", r)  # only with GLAKE_HOST_TIMING
         code, r = self.run_child("glake", strategy="R", GLAKE_TORCH_LIBRARY=SIM, GLAKE_HOST_TIMING="1")
