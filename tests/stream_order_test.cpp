@@ -25,6 +25,7 @@ struct event_log {
   std::size_t waited = 0;
   std::size_t recycled = 0;
   std::size_t queried = 0;
+  bool fail_queries = false;  // event_done throws, as a CUDA error would
 
   void complete(stream_ref stream) {
     for (auto& [id, e] : events) {
@@ -45,6 +46,7 @@ class evented_reserver : public sim_reserver {
   }
   bool event_done(event_type e) {
     ++log_->queried;
+    if (log_->fail_queries) throw driver_error("cuEventQuery", 999, "injected");
     return log_->events.at(e).second;
   }
   void recycle_event(event_type) noexcept { ++log_->recycled; }
@@ -273,6 +275,67 @@ TEST_CASE("stream order: a cached stitch is not reused over chunks another strea
   allocator.deallocate(t, 64 * M, A);
   allocator.deallocate(a[3], 32 * M, A);
   allocator.deallocate(w, 32 * M, B);
+  allocator.verify();
+  allocator.release_cached();
+  CHECK(allocator.stats().reserved_bytes == 0);
+  CHECK(device.violations() == 0);
+}
+
+TEST_CASE("stream order: a cached stitch grows in place without waiting for the work queued before its free") {
+  sim_device device(1 * GiB);
+  event_log log;
+  config cfg;
+  cfg.frag_limit = 0;
+  evented_stitching allocator(sim_provider{device}, evented_reserver{device, log}, cfg);
+  void* blocks[4];
+  for (auto& b : blocks) b = allocator.allocate(100 * M, A);
+  allocator.deallocate(blocks[0], 100 * M, A);
+  allocator.deallocate(blocks[2], 100 * M, A);
+  void* s = allocator.allocate(200 * M, A);
+  allocator.deallocate(s, 200 * M, A);  // cached; A's work before this free is not done
+  allocator.deallocate(blocks[1], 100 * M, A);
+  // Appending maps addresses no queued work can use, and the range's own chunks are reused on
+  // their own stream, so nothing waits.
+  void* t = allocator.allocate(260 * M, A);
+  CHECK(t == s);
+  CHECK(allocator.stats().stitch_grows == 1);
+  CHECK(log.waited == 0);
+  CHECK(log.device_synchronized == 0);
+  allocator.deallocate(t, 260 * M, A);
+  allocator.deallocate(blocks[3], 100 * M, A);
+  allocator.verify();
+  allocator.release_cached();
+  CHECK(allocator.stats().reserved_bytes == 0);
+  CHECK(device.violations() == 0);
+}
+
+TEST_CASE("stream order: a failed event query during a repair serves the request anew and loses nothing") {
+  sim_device device(500 * M);
+  event_log log;
+  config cfg;
+  cfg.frag_limit = 0;
+  evented_stitching allocator(sim_provider{device}, evented_reserver{device, log}, cfg);
+  void* blocks[4];
+  for (auto& b : blocks) b = allocator.allocate(100 * M, A);
+  allocator.deallocate(blocks[0], 100 * M, A);
+  allocator.deallocate(blocks[2], 100 * M, A);
+  void* s = allocator.allocate(200 * M, A);
+  allocator.deallocate(s, 200 * M, A);
+  void* hole = allocator.allocate(40 * M, A);  // the range needs a repair now
+  allocator.deallocate(blocks[1], 100 * M, A);
+  log.complete(A);
+  log.fail_queries = true;
+  void* t = nullptr;
+  CHECK_NOTHROW(t = allocator.allocate(200 * M, A));
+  CHECK(t != nullptr);
+  CHECK(t != s);  // not repaired: a new stitch
+  CHECK(allocator.stats().stitch_repairs == 0);
+  CHECK(allocator.stats().stitches == 2);
+  log.fail_queries = false;
+  allocator.verify();
+  allocator.deallocate(t, 200 * M, A);
+  allocator.deallocate(hole, 40 * M, A);
+  allocator.deallocate(blocks[3], 100 * M, A);
   allocator.verify();
   allocator.release_cached();
   CHECK(allocator.stats().reserved_bytes == 0);

@@ -81,7 +81,8 @@ namespace glake {
 /// before its free has completed; physical memory is released only after the device is
 /// synchronized.
 /// Errors: allocate throws out_of_memory (state unchanged, allocator usable); try_allocate returns
-/// null; misuse throws usage_error; a backend failure throws its error after a full rollback.
+/// null; misuse throws usage_error; a backend failure throws its error after a full rollback. A
+/// failed event query only means "not completed yet" (no repair, no eviction without waiting).
 template <physical_provider Provider, address_reserver_for<Provider> Reserver,
           stitching_strategy Stitch = best_fit_tail_stitching, eviction_policy Evict = lru_eviction,
           lock_policy Lock = no_lock>
@@ -585,9 +586,15 @@ class stitching_allocator {
     return missing;
   }
 
-  bool queue_drained(const stitched& s) {
+  // Whether the work queued before `s`'s free has completed. A failed query counts as "not
+  // yet", as in eviction: the request then goes on to a new stitch instead of failing.
+  bool queue_drained(const stitched& s) noexcept {
     if constexpr (has_events) {
-      return s.has_free_event && backend_.reserver().event_done(s.free_event);
+      try {
+        return s.has_free_event && backend_.reserver().event_done(s.free_event);
+      } catch (...) {
+        return false;
+      }
     } else {
       return true;
     }
