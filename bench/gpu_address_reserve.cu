@@ -15,16 +15,11 @@
 #include <cstdlib>
 #include <vector>
 
+#include "gpu_check.hpp"
+
 namespace {
 
-void check(CUresult r, const char* what) {
-  if (r != CUDA_SUCCESS) {
-    const char* name = nullptr;
-    cuGetErrorName(r, &name);
-    std::fprintf(stderr, "%s failed: %s\n", what, name ? name : "?");
-    std::exit(1);
-  }
-}
+using glake_probe::check;
 
 double now_us() {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();

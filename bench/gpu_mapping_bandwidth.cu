@@ -22,22 +22,11 @@
 #include <random>
 #include <vector>
 
+#include "gpu_check.hpp"
+
 namespace {
 
-void check(CUresult r, const char* what) {
-  if (r != CUDA_SUCCESS) {
-    const char* name = nullptr;
-    cuGetErrorName(r, &name);
-    std::fprintf(stderr, "%s failed: %s\n", what, name ? name : "?");
-    std::exit(1);
-  }
-}
-void check(cudaError_t r, const char* what) {
-  if (r != cudaSuccess) {
-    std::fprintf(stderr, "%s failed: %s\n", what, cudaGetErrorString(r));
-    std::exit(1);
-  }
-}
+using glake_probe::check;
 
 __global__ void stream_read(const uint4* p, std::size_t n, unsigned long long* out) {
   unsigned int acc = 0;

@@ -15,16 +15,11 @@
 #include <cstdlib>
 #include <vector>
 
+#include "gpu_check.hpp"
+
 namespace {
 
-void check(CUresult r, const char* what) {
-  if (r != CUDA_SUCCESS) {
-    const char* name = nullptr;
-    cuGetErrorName(r, &name);
-    std::fprintf(stderr, "%s failed: %s\n", what, name ? name : "?");
-    std::exit(1);
-  }
-}
+using glake_probe::check;
 
 __global__ void spin(long long cycles) {
   const long long start = clock64();
