@@ -6,7 +6,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <initializer_list>
 #include <map>
+#include <utility>
 #include <vector>
 
 #include "glake/allocators/stitching_allocator.hpp"
@@ -281,96 +283,87 @@ TEST_CASE("stream order: a cached stitch is not reused over chunks another strea
   CHECK(device.violations() == 0);
 }
 
-TEST_CASE("stream order: a cached stitch grows in place without waiting for the work queued before its free") {
-  sim_device device(1 * GiB);
-  event_log log;
-  config cfg;
-  cfg.frag_limit = 0;
-  evented_stitching allocator(sim_provider{device}, evented_reserver{device, log}, cfg);
-  void* blocks[4];
-  for (auto& b : blocks) b = allocator.allocate(100 * M, A);
-  allocator.deallocate(blocks[0], 100 * M, A);
-  allocator.deallocate(blocks[2], 100 * M, A);
-  void* s = allocator.allocate(200 * M, A);
-  allocator.deallocate(s, 200 * M, A);  // cached; A's work before this free is not done
-  allocator.deallocate(blocks[1], 100 * M, A);
-  // Appending maps addresses no queued work can use, and the range's own chunks are reused on
-  // their own stream, so nothing waits.
-  void* t = allocator.allocate(260 * M, A);
-  CHECK(t == s);
-  CHECK(allocator.stats().stitch_grows == 1);
-  CHECK(log.waited == 0);
-  CHECK(log.device_synchronized == 0);
-  allocator.deallocate(t, 260 * M, A);
-  allocator.deallocate(blocks[3], 100 * M, A);
-  allocator.verify();
-  allocator.release_cached();
-  CHECK(allocator.stats().reserved_bytes == 0);
-  CHECK(device.violations() == 0);
-}
+namespace {
 
-TEST_CASE("stream order: a failed event query during a repair serves the request anew and loses nothing") {
-  sim_device device(500 * M);
+// Four 100 MiB blocks on A; the first and third are freed and stitched into a 200 MiB range,
+// which is freed in turn: cached, with an event marking A's work that may still read it.
+struct cached_range {
+  sim_device device;
   event_log log;
-  config cfg;
-  cfg.frag_limit = 0;
-  evented_stitching allocator(sim_provider{device}, evented_reserver{device, log}, cfg);
+  evented_stitching allocator;
   void* blocks[4];
-  for (auto& b : blocks) b = allocator.allocate(100 * M, A);
-  allocator.deallocate(blocks[0], 100 * M, A);
-  allocator.deallocate(blocks[2], 100 * M, A);
-  void* s = allocator.allocate(200 * M, A);
-  allocator.deallocate(s, 200 * M, A);
-  void* hole = allocator.allocate(40 * M, A);  // the range needs a repair now
-  allocator.deallocate(blocks[1], 100 * M, A);
-  log.complete(A);
-  log.fail_queries = true;
-  void* t = nullptr;
-  CHECK_NOTHROW(t = allocator.allocate(200 * M, A));
-  CHECK(t != nullptr);
-  CHECK(t != s);  // not repaired: a new stitch
-  CHECK(allocator.stats().stitch_repairs == 0);
-  CHECK(allocator.stats().stitches == 2);
-  log.fail_queries = false;
-  allocator.verify();
-  allocator.deallocate(t, 200 * M, A);
-  allocator.deallocate(hole, 40 * M, A);
-  allocator.deallocate(blocks[3], 100 * M, A);
-  allocator.verify();
-  allocator.release_cached();
-  CHECK(allocator.stats().reserved_bytes == 0);
-  CHECK(device.violations() == 0);
-}
+  void* range;
 
-TEST_CASE("stream order: a cached stitch is repaired only once the work queued before its free has completed") {
-  for (const bool completed : {false, true}) {
-    CAPTURE(completed);
-    sim_device device(500 * M);
-    event_log log;
-    config cfg;
-    cfg.frag_limit = 0;
-    evented_stitching allocator(sim_provider{device}, evented_reserver{device, log}, cfg);
-    void* blocks[4];
+  explicit cached_range(std::size_t capacity)
+      : device(capacity), allocator(sim_provider{device}, evented_reserver{device, log}, stitch_everything()) {
     for (auto& b : blocks) b = allocator.allocate(100 * M, A);
     allocator.deallocate(blocks[0], 100 * M, A);
     allocator.deallocate(blocks[2], 100 * M, A);
-    void* s = allocator.allocate(200 * M, A);
-    allocator.deallocate(s, 200 * M, A);  // cached; an event marks A's work that may read it
-    void* hole = allocator.allocate(40 * M, A);
-    allocator.deallocate(blocks[1], 100 * M, A);
-    if (completed) log.complete(A);
-    void* t = allocator.allocate(200 * M, A);
-    // Remapping the range under work that may still read it would change what that work reads.
-    CHECK(allocator.stats().stitch_repairs == (completed ? 1 : 0));
-    CHECK((t == s) == completed);
-    CHECK(log.waited == 0);
-    allocator.deallocate(t, 200 * M, A);
-    allocator.deallocate(hole, 40 * M, A);
+    range = allocator.allocate(200 * M, A);
+    REQUIRE(allocator.stats().stitches == 1);
+    allocator.deallocate(range, 200 * M, A);
+  }
+  static config stitch_everything() {
+    config cfg;
+    cfg.frag_limit = 0;
+    return cfg;
+  }
+  // Frees `live` (pointer, bytes) and block 3, and checks that nothing is left behind.
+  void finish(std::initializer_list<std::pair<void*, std::size_t>> live) {
+    for (const auto& [p, bytes] : live) allocator.deallocate(p, bytes, A);
     allocator.deallocate(blocks[3], 100 * M, A);
     allocator.verify();
     allocator.release_cached();
     CHECK(allocator.stats().reserved_bytes == 0);
     CHECK(device.violations() == 0);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("stream order: a cached stitch grows in place without waiting for the work queued before its free") {
+  cached_range c(1 * GiB);
+  c.allocator.deallocate(c.blocks[1], 100 * M, A);
+  // Appending maps addresses no queued work can use, and the range's own chunks are reused on
+  // their own stream, so nothing waits.
+  void* t = c.allocator.allocate(260 * M, A);
+  CHECK(t == c.range);
+  CHECK(c.allocator.stats().stitch_grows == 1);
+  CHECK(c.log.waited == 0);
+  CHECK(c.log.device_synchronized == 0);
+  c.finish({{t, 260 * M}});
+}
+
+TEST_CASE("stream order: a failed event query during a repair serves the request anew and loses nothing") {
+  cached_range c(500 * M);
+  void* hole = c.allocator.allocate(40 * M, A);  // the range needs a repair now
+  c.allocator.deallocate(c.blocks[1], 100 * M, A);
+  c.log.complete(A);
+  c.log.fail_queries = true;
+  void* t = nullptr;
+  CHECK_NOTHROW(t = c.allocator.allocate(200 * M, A));
+  CHECK(t != nullptr);
+  CHECK(t != c.range);  // not repaired: a new stitch
+  CHECK(c.allocator.stats().stitch_repairs == 0);
+  CHECK(c.allocator.stats().stitches == 2);
+  c.log.fail_queries = false;
+  c.allocator.verify();
+  c.finish({{t, 200 * M}, {hole, 40 * M}});
+}
+
+TEST_CASE("stream order: a cached stitch is repaired only once the work queued before its free has completed") {
+  for (const bool completed : {false, true}) {
+    CAPTURE(completed);
+    cached_range c(500 * M);
+    void* hole = c.allocator.allocate(40 * M, A);
+    c.allocator.deallocate(c.blocks[1], 100 * M, A);
+    if (completed) c.log.complete(A);
+    void* t = c.allocator.allocate(200 * M, A);
+    // Remapping the range under work that may still read it would change what that work reads.
+    CHECK(c.allocator.stats().stitch_repairs == (completed ? 1 : 0));
+    CHECK((t == c.range) == completed);
+    CHECK(c.log.waited == 0);
+    c.finish({{t, 200 * M}, {hole, 40 * M}});
   }
 }
 
