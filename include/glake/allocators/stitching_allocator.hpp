@@ -679,9 +679,14 @@ class stitching_allocator {
         pieces_.push_back(piece{h.home, h.offset, chunk_});
       }
     }
+    try {
+      arena_.reserve_nodes(2 * pieces_.size());  // before anything is remapped: `s` stays cached
+    } catch (...) {
+      if (grown != nullptr) drop_segment(grown->segment);
+      throw;
+    }
     bool done = false;
     try {
-      arena_.reserve_nodes(2 * pieces_.size());
       done = backend_.try_restitch(reinterpret_cast<void*>(s.base), s.reserved, handles_, changes_);
     } catch (...) {
       forget_stitch(&s);
