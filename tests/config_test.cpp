@@ -398,6 +398,22 @@ TEST_CASE("config: malformed environment variables are named") {
                  "byte count"));
 }
 
+TEST_CASE("config: from_env applies the variables over an embedder's base, and validates the result") {
+  config base;
+  base.max_handle = 16 * MiB;
+  base.frag_limit = 4 * MiB;
+  const auto none = [](const char*) -> const char* { return nullptr; };
+  CHECK(config::from_env(none, base) == base);
+  const auto gmlake = [](const char* name) -> const char* {
+    return std::string_view(name) == "fragLimit" ? "1048576" : nullptr;
+  };
+  const config c = config::from_env(gmlake, base);
+  CHECK(c.frag_limit == MiB);          // a variable wins over the base
+  CHECK(c.max_handle == 16 * MiB);     // what no variable names stays the base's
+  base.reuse_limit = 0.5;              // a base out of range is refused like any setting
+  CHECK_THROWS_WITH_AS(config::from_env(none, base), doctest::Contains("reuse_limit"), config_error);
+}
+
 TEST_CASE("config: from_env range errors name the variable that set the value") {
   CHECK(contains(
       env_error({{"defragLevel", "5"}}),

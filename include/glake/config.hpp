@@ -80,6 +80,10 @@ struct config {
   template <class Getenv>
   static config from_env(Getenv getenv);
 
+  /// As from_env(getenv), over `base` (an embedder's own defaults) instead of config{}.
+  template <class Getenv>
+  static config from_env(Getenv getenv, const config& base);
+
   /// Every setting as "key:value,...", which `apply` parses back to an equal config.
   /// Sizes use the largest binary suffix that divides them exactly, so the text stays exact.
   std::string to_string() const;
@@ -432,8 +436,8 @@ inline std::string config::to_string() const {
 }
 
 template <class Getenv>
-config config::from_env(Getenv getenv) {
-  config c;
+config config::from_env(Getenv getenv, const config& base) {
+  config c = base;
   // Who set each setting, latest last, so a range error can name the variable to fix.
   std::vector<std::pair<std::string_view, std::string>> sources;
 
@@ -513,6 +517,11 @@ config config::from_env(Getenv getenv) {
     throw config_error(issue->message);
   }
   return c;
+}
+
+template <class Getenv>
+config config::from_env(Getenv getenv) {
+  return from_env(std::move(getenv), config{});
 }
 
 inline config config::from_env() {
