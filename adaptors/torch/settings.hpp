@@ -12,26 +12,44 @@ namespace glake::torch_plugin {
 
 /// glake-replay's "glake" settings (tools/replay/configurations.hpp, glake_config()): stitch any
 /// request no free block serves, grow only the shortfall, reuse cached stitches up to 2x, keep
-/// cached stitches mapped (auto_gc stays at its default). A trace recorded by the plug-in therefore replays under the same rules.
-/// They are GMLake knobs, so they are supplied as GMLake's variables when the process does not
-/// set those: a variable the process sets wins, and GLAKE_ALLOC_CONF wins over both.
+/// cached stitches mapped (auto_gc stays at its default), new memory in handles of up to 8 MiB.
+/// A trace recorded by the plug-in therefore replays under the same rules.
+/// The GMLake knobs among them are supplied as GMLake's variables when the process does not set
+/// those, so a variable the process sets wins; glake's own (default_base()) are the base the
+/// variables apply over. GLAKE_ALLOC_CONF wins over all of them.
 inline constexpr std::pair<const char*, const char*> default_variables[] = {
     {"fragLimit", "2097152"},  // frag_limit:2MiB
     {"reAlloc", "1"},          // grow_stitch:true
     {"reuseLimit", "2"},       // reuse_limit:2
 };
 
+/// The defaults of glake's own settings (no GMLake variable names them): handles of up to 8 MiB
+/// for new memory. Every mapped handle costs ~21 us of cuMemSetAccess whatever its size (and
+/// ~18 us to unmap), so a stitch of a 1 GiB logits tensor costs ~11 ms from 2 MiB handles and
+/// ~3 ms from 8 MiB ones. Handles partly in use cannot be stitched, which costs a little
+/// utilization (0.983-0.995 over the nine replayed traces against 0.987-0.997 with 2 MiB only;
+/// 16 MiB falls to 0.978, below the 0.98 glake keeps), and repair and growth of cached stitches
+/// need handles of one size, so they are off. bench/results/replay.md, "Handles of up to 8 MiB",
+/// has the measurements; `max_handle:0` restores 2 MiB handles.
+inline config default_base() {
+  config c;
+  c.max_handle = 8 * MiB;
+  return c;
+}
+
 /// The plug-in's settings read through `getenv(name)` (null when unset); throws config_error
 /// naming the variable and setting that is wrong.
 template <class Getenv>
 config settings_from(Getenv getenv) {
-  return config::from_env([&](const char* name) -> const char* {
-    if (const char* value = getenv(name); value != nullptr && *value != '\0') return value;
-    for (const auto& [variable, value] : default_variables) {
-      if (std::strcmp(name, variable) == 0) return value;
-    }
-    return nullptr;
-  });
+  return config::from_env(
+      [&](const char* name) -> const char* {
+        if (const char* value = getenv(name); value != nullptr && *value != '\0') return value;
+        for (const auto& [variable, value] : default_variables) {
+          if (std::strcmp(name, variable) == 0) return value;
+        }
+        return nullptr;
+      },
+      default_base());
 }
 
 inline config settings_from_env() {

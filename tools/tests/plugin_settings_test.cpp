@@ -18,6 +18,13 @@ TEST_CASE("plug-in settings: the defaults are glake-replay's glake configuration
   };
   CHECK(torch_plugin::settings_from(getenv) == replay::glake_config());
   CHECK(torch_plugin::settings_from(getenv) != config{});  // not just the library's defaults
+  CHECK(torch_plugin::settings_from(getenv).max_handle == 8 * MiB);  // glake's own default
+
+  env["GLAKE_ALLOC_CONF"] = "max_handle:0";  // 2 MiB handles only, as the library's default
+  CHECK(torch_plugin::settings_from(getenv).max_handle == 0);
+  env["GLAKE_ALLOC_CONF"] = "max_handle:5000";  // and a bad value is still refused
+  CHECK_THROWS_WITH_AS(torch_plugin::settings_from(getenv), doctest::Contains("max_handle"), config_error);
+  env.erase("GLAKE_ALLOC_CONF");
 
   env["fragLimit"] = "1048576";  // a GMLake variable the process sets wins over the default
   CHECK(torch_plugin::settings_from(getenv).frag_limit == MiB);

@@ -149,19 +149,24 @@ TEST_CASE("replay: a capacity that cannot hold the trace shows as failed allocat
 
 TEST_CASE("replay: where free memory sits at peak is reported for stitching pools") {
   const trace t = read_trace(bundled("opt1.3b-LR"));
-  const replay_result glake = replay_trace(t, named("glake"), std::size_t{1} << 40, false);
-  REQUIRE(glake.free_at_peak.has_value());
-  const auto& f = *glake.free_at_peak;
-  CHECK(f.partial_handles == 0);  // 2 MiB handles: every free chunk is a whole handle
-  const auto large = named_configurations("max_handle:1GiB");
-  const configuration* big = nullptr;
-  for (const auto& c : large) {
-    if (c.name == "glake") big = &c;
-  }
-  REQUIRE(big != nullptr);
-  const replay_result with_large = replay_trace(t, *big, std::size_t{1} << 40, false);
-  REQUIRE(with_large.free_at_peak.has_value());
-  CHECK(with_large.free_at_peak->partial_handles > 0);  // large handles strand memory in place
+  const auto glake_with = [&](const char* overrides) {
+    for (const auto& c : named_configurations(overrides)) {
+      if (c.name == "glake") return replay_trace(t, c, std::size_t{1} << 40, false);
+    }
+    FAIL("no glake configuration");
+    return replay_result{};
+  };
+  const replay_result small = glake_with("max_handle:0");
+  REQUIRE(small.free_at_peak.has_value());
+  CHECK(small.free_at_peak->partial_handles == 0);  // 2 MiB handles: every free chunk is a whole handle
+  // Larger handles strand memory in place, the more the larger they are: glake's 8 MiB default
+  // a little, 1 GiB handles more.
+  const replay_result standard = replay_trace(t, named("glake"), std::size_t{1} << 40, false);
+  REQUIRE(standard.free_at_peak.has_value());
+  const replay_result large = glake_with("max_handle:1GiB");
+  REQUIRE(large.free_at_peak.has_value());
+  CHECK(standard.free_at_peak->partial_handles > 0);
+  CHECK(large.free_at_peak->partial_handles > standard.free_at_peak->partial_handles);
   CHECK_FALSE(replay_trace(t, named("pytorch-default"), std::size_t{1} << 40, false).free_at_peak.has_value());
 }
 
