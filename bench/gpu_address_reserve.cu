@@ -56,10 +56,7 @@ int main() {
     report(label, us);
   }
 
-  CUmemAllocationProp prop{};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = 0;
+  const CUmemAllocationProp prop = glake_probe::device_memory(0);
   constexpr std::size_t chunk = 2 * MiB, handles = 64, bytes = chunk * handles;
   std::vector<CUmemGenericAllocationHandle> h(handles);
   for (auto& one : h) check(cuMemCreate(&one, chunk, &prop, 0), "cuMemCreate");

@@ -1,11 +1,12 @@
 // Shared by the standalone GPU probes (bench/gpu_*.cu): end the program with the failing call's
-// name and error when a CUDA driver or runtime call fails. Probes include it by a relative path,
-// so each still builds with one nvcc command.
+// name and error when a CUDA driver or runtime call fails, and the device memory they create.
+// Probes include it by a relative path, so each still builds with one nvcc command.
 #pragma once
 
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 
@@ -25,6 +26,22 @@ inline void check(cudaError_t r, const char* what) {
     std::fprintf(stderr, "%s failed: %s\n", what, cudaGetErrorString(r));
     std::exit(1);
   }
+}
+
+/// Pinned device memory on `device`: what cuMemCreate makes in every probe.
+inline CUmemAllocationProp device_memory(int device) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  return prop;
+}
+
+/// The driver's recommended handle granularity for `prop` (2 MiB on the H100).
+inline std::size_t granularity(const CUmemAllocationProp& prop) {
+  std::size_t chunk = 0;
+  check(cuMemGetAllocationGranularity(&chunk, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "granularity");
+  return chunk;
 }
 
 }  // namespace glake_probe

@@ -80,12 +80,8 @@ int main() {
   const int device = 0;
   check(cudaSetDevice(device), "cudaSetDevice");
   check(cudaFree(nullptr), "cudaFree");  // creates the primary context
-  CUmemAllocationProp prop{};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = device;
-  std::size_t chunk = 0;
-  check(cuMemGetAllocationGranularity(&chunk, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "granularity");
+  const CUmemAllocationProp prop = glake_probe::device_memory(device);
+  const std::size_t chunk = glake_probe::granularity(prop);
 
   cudaStream_t stream;
   check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");

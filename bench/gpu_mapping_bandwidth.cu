@@ -113,10 +113,7 @@ int main() {
     report("cudaMalloc", measure(p, bytes, sink), bytes);
     check(cudaFree(p), "cudaFree");
   }
-  CUmemAllocationProp prop{};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = dev;
+  const CUmemAllocationProp prop = glake_probe::device_memory(dev);
   CUmemAccessDesc access{};
   access.location = prop.location;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;

@@ -68,12 +68,8 @@ int main() {
   const int device = 0;
   cudaSetDevice(device);
   cudaFree(nullptr);  // creates the primary context
-  CUmemAllocationProp prop{};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = device;
-  std::size_t chunk = 0;
-  check(cuMemGetAllocationGranularity(&chunk, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "granularity");
+  const CUmemAllocationProp prop = glake_probe::device_memory(device);
+  const std::size_t chunk = glake_probe::granularity(prop);
   const std::size_t count = 64;
   std::vector<CUmemGenericAllocationHandle> handles(count);
   for (auto& h : handles) check(cuMemCreate(&h, chunk, &prop, 0), "cuMemCreate");
