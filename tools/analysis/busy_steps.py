@@ -7,22 +7,16 @@ calls, and the mean ratio of the sums of the steps in which it made none (bench/
 
     python3 tools/analysis/busy_steps.py bench/results/finetune_steptime_grow.jsonl
 """
-import collections
-import json
 import statistics
 import sys
+
+from steptime_pairs import runs_by_workload  # same folder: the script's own directory is on sys.path
 
 NEW_MAX = 5
 
 
 def main(paths):
-    by = collections.defaultdict(lambda: collections.defaultdict(list))
-    for path in paths:
-        with open(path) as f:
-            for line in f:
-                r = json.loads(line)
-                if r.get("status") == "ok" and r.get("rank", 0) == 0:
-                    by[(r["model"], r["strategy"])][r["allocator"]].append(r)
+    by = runs_by_workload(paths)
     for (model, strategy), runs in sorted(by.items()):
         new_max, other, quiet = [], [], []
         for d, g in zip(runs["default"], runs["glake"]):

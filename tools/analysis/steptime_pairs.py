@@ -16,7 +16,9 @@ import statistics
 import sys
 
 
-def main(paths):
+def runs_by_workload(paths):
+    """The rank-0 runs that finished, as {(model, strategy): {allocator: [run, ...]}}, each list in
+    file order (so default and glake runs pair by position). Shared with busy_steps.py."""
     by = collections.defaultdict(lambda: collections.defaultdict(list))
     for path in paths:
         with open(path) as f:
@@ -24,6 +26,11 @@ def main(paths):
                 r = json.loads(line)
                 if r.get("status") == "ok" and r.get("rank", 0) == 0:
                     by[(r["model"], r["strategy"])][r["allocator"]].append(r)
+    return by
+
+
+def main(paths):
+    by = runs_by_workload(paths)
     ratios = []
     for (model, strategy), runs in sorted(by.items()):
         d, g = runs["default"], runs["glake"]
