@@ -5,13 +5,22 @@
 # build/torch/ by itself.
 #
 #   bench/torch/build_plugin.sh [OUT]        default OUT: build/torch/libglake_torch.so
+#   bench/torch/build_plugin.sh --size-cache   the control allocator of finetune.py's `sizecache`
+#                                              runs instead: build/torch/libsize_cache.so
 #
 # CUDA_HOME (default /usr/local/cuda) and CXX (default g++) are honoured.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out=${1:-build/torch/libglake_torch.so}
 cuda=${CUDA_HOME:-/usr/local/cuda}
 cxx=${CXX:-g++}
+if [[ ${1:-} == --size-cache ]]; then
+  mkdir -p build/torch
+  "$cxx" -std=c++17 -O2 -shared -fPIC -Wall -Wextra -isystem "$cuda/include" bench/torch/size_cache_allocator.cpp \
+    -L"$cuda/lib64" -L"$cuda/lib" -lcudart -o build/torch/libsize_cache.so
+  echo "built build/torch/libsize_cache.so"
+  exit 0
+fi
+out=${1:-build/torch/libglake_torch.so}
 deps=()
 [[ -d .device-deps/include ]] && deps=(-isystem .device-deps/include)
 mkdir -p "$(dirname "$out")"

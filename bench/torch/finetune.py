@@ -59,6 +59,10 @@ BATCH = 8
 MIN_LEN, MAX_LEN = 64, 1024
 SEED = 1234
 ALLOCATORS = ("default", "expandable", "glake")
+# Not run unless named: a control that goes through PyTorch's pluggable-allocator path with a
+# near-free allocator (bench/torch/size_cache_allocator.cpp), to price the path apart from glake.
+CONTROL_ALLOCATORS = ("sizecache",)
+SIZE_CACHE_LIBRARY = os.path.join(ROOT, "build", "torch", "libsize_cache.so")
 STRATEGIES = ("N", "R", "LR", "LO")
 # Shapes of the public checkpoints, random weights; `kind` picks the config class (CONFIG_CLASSES).
 MODELS = {
@@ -83,6 +87,16 @@ def sequence_lengths(steps, seed=SEED):
     """The same lengths for every allocator and rank."""
     rng = random.Random(seed)
     return [rng.randint(MIN_LEN, MAX_LEN) for _ in range(steps)]
+
+
+def steal_jiffies(path="/proc/stat"):
+    """Jiffies stolen from all CPUs since boot (the 8th number of /proc/stat's cpu line), or None."""
+    try:
+        with open(path) as f:
+            fields = f.readline().split()
+        return int(fields[8]) if fields and fields[0] == "cpu" and len(fields) > 8 else None
+    except (OSError, ValueError):
+        return None
 
 
 def median_step(times):
@@ -152,6 +166,14 @@ def run_training(args, result, device):
         result["glake_hooks"] = glake.hooks()
         result["glake_library"] = glake._lib_path
         result["trace"] = os.environ.get("GLAKE_TRACE")
+    size_cache = None
+    if args.allocator == "sizecache":
+        import ctypes
+
+        path = os.environ.get("GLAKE_SIZE_CACHE_LIBRARY", SIZE_CACHE_LIBRARY)
+        size_cache = ctypes.CDLL(path)
+        torch.cuda.memory.change_current_allocator(torch.cuda.memory.CUDAPluggableAllocator(path, "sc_malloc", "sc_free"))
+        result["size_cache_library"] = path
 
     import transformers
     from transformers import AutoModelForCausalLM
@@ -212,7 +234,10 @@ def run_training(args, result, device):
     generator = torch.Generator(device=f"cuda:{device}")
     generator.manual_seed(SEED + result["rank"])
     saved_on_host = torch.autograd.graph.save_on_cpu if args.strategy == "LO" else None
-    times, losses = [], []
+    times, queued_times, losses = [], [], []
+    # Host CPU seconds of the whole process (all threads) per step, and the jiffies the hypervisor
+    # took from this machine's CPUs meanwhile (steal): a host-bound step's time depends on both.
+    step_cpu, step_steal = [], []
     # glake runs: the driver calls, stitches and repaired cached stitches made during each step
     # (read after the step's clock stops), so step times can be told apart by whether the
     # allocator went to the driver.
@@ -235,27 +260,37 @@ def run_training(args, result, device):
     if args.gc_outside_steps:
         gc.collect()
         gc.freeze()  # what exists now (model, modules) is never scanned again
+    def train_step(length):
+        """One step; returns the loss and the seconds until its last kernel was queued."""
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        ids = torch.randint(0, config.vocab_size, (BATCH, length), device=f"cuda:{device}", generator=generator)
+        if saved_on_host is not None:
+            with saved_on_host(pin_memory=True):
+                loss = model(input_ids=ids, labels=ids).loss
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
+        sample()
+        loss.backward()
+        sample()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        queued = time.perf_counter() - t0
+        torch.cuda.synchronize(device)
+        return loss, queued, time.perf_counter() - t0
+
     try:
         for step, length in enumerate(lengths, 1):
             if args.gc_outside_steps:
                 gc.collect()
                 gc.disable()
             gc_before = gc_seconds[0]
-            torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            ids = torch.randint(0, config.vocab_size, (BATCH, length), device=f"cuda:{device}", generator=generator)
-            if saved_on_host is not None:
-                with saved_on_host(pin_memory=True):
-                    loss = model(input_ids=ids, labels=ids).loss
-            else:
-                loss = model(input_ids=ids, labels=ids).loss
-            sample()
-            loss.backward()
-            sample()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
+            cpu_before, steal_before = time.process_time(), steal_jiffies()
+            loss, queued, took = train_step(length)
+            times.append(took)
+            step_cpu.append(round(time.process_time() - cpu_before, 4))
+            step_steal.append(steal_jiffies() - steal_before if steal_before is not None else None)
+            queued_times.append(round(queued, 4))
             step_gc_ms.append(round((gc_seconds[0] - gc_before) * 1000, 3))
             if args.gc_outside_steps:
                 gc.enable()
@@ -272,9 +307,12 @@ def run_training(args, result, device):
                     last_host = host
             sample()
             losses.append(float(loss.detach()))
-            del loss, ids
+            del loss
             if args.progress:
                 print(f"[rank {result['rank']}] step {step}/{len(lengths)} len {length} {times[-1]:.3f} s", file=sys.stderr, flush=True)
+        if args.profile_steps:
+            result["profiled"] = profile_steps(args, result, lambda length: train_step(length)[1:],
+                                         [lengths[k - 1] for k in args.profile_steps if k <= len(lengths)])
         result["status"] = "ok"
     except BaseException as error:  # noqa: BLE001
         if not is_oom(error):
@@ -283,7 +321,8 @@ def run_training(args, result, device):
     finally:
         gc.enable()
         gc.callbacks.remove(on_gc)
-        result.update(step_times_s=[round(t, 4) for t in times], median_step_s=median_step(times), step_gc_ms=step_gc_ms)
+        result.update(step_times_s=[round(t, 4) for t in times], median_step_s=median_step(times), step_gc_ms=step_gc_ms,
+                      step_queued_s=queued_times, step_cpu_s=step_cpu, step_steal_jiffies=step_steal)
         if glake is not None:
             result.update(step_driver_calls=step_calls, step_stitches=step_stitches, step_stitch_repairs=step_repairs,
                           step_stitch_grows=step_grows)
@@ -298,7 +337,7 @@ def run_training(args, result, device):
                 device_used_peak_over_base_bytes=used["peak"] - used["base"],
                 device_used_samples="after CUDA init, then after forward, backward and optimizer step of every step",
             )
-            memory_peaks(torch, glake, device, result)
+            memory_peaks(torch, glake, device, result, size_cache)
         except Exception as error:  # noqa: BLE001
             result["stats_error"] = f"{type(error).__name__}: {error}"[:500]
         if dist is not None and dist.is_initialized() and result["status"] == "ok":
@@ -309,8 +348,41 @@ def run_training(args, result, device):
                 pass
 
 
-def memory_peaks(torch, glake, device, result):
-    if glake is not None:
+def profile_steps(args, result, step, lengths):
+    """Runs one more step of each length under torch.profiler (host ops, CUDA runtime calls and
+    kernels) after the measured steps, so the profiler's overhead stays out of median_step_s, and
+    writes each step's Chrome trace, gzipped, to --profile-dir (tools/analysis/profile_steps.py
+    reads them). The first profiled step is a warm-up of the profiler and is not kept."""
+    import gzip
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(args.profile_dir, exist_ok=True)
+    name = f"{args.model}-{args.strategy}-{args.allocator}-rank{result['rank']}"
+    profiled = []
+    for index, length in enumerate(lengths[:1] + lengths):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            queued, took = step(length)
+        if index == 0:
+            continue
+        path = os.path.join(args.profile_dir, f"{name}-{index}-len{length}.json")
+        prof.export_chrome_trace(path)
+        with open(path, "rb") as raw, gzip.open(path + ".gz", "wb") as packed:
+            shutil.copyfileobj(raw, packed)
+        os.remove(path)
+        profiled.append(dict(length=length, step_s=round(took, 4), queued_s=round(queued, 4), trace=path + ".gz"))
+    return profiled
+
+
+def memory_peaks(torch, glake, device, result, size_cache=None):
+    if size_cache is not None:
+        import ctypes
+
+        active, reserved = ctypes.c_size_t(), ctypes.c_size_t()
+        size_cache.sc_peaks(ctypes.byref(active), ctypes.byref(reserved))
+        active, reserved, requested = active.value, reserved.value, None
+    elif glake is not None:
         s = glake.stats(device)
         result["glake_stats"] = s
         active, reserved = s["peak_active_bytes"], s["peak_reserved_bytes"]
@@ -408,6 +480,9 @@ def drive(args, driver_command):
             common.append("--progress")
         if args.gc_outside_steps:
             common.append("--gc-outside-steps")
+        if args.profile_steps:
+            common += ["--profile-steps", ",".join(map(str, args.profile_steps)),
+                       "--profile-dir", os.path.join(args.profile_dir, f"round{round_}") if args.repeat > 1 else args.profile_dir]
         if args.fsdp:
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.fsdp}"]
             command += common + ["--fsdp", str(args.fsdp)]
@@ -618,7 +693,8 @@ def parse(argv):
     csv = lambda choices: lambda text: check_list(text, choices)  # noqa: E731
     parser.add_argument("--models", type=csv(MODELS), default=list(MODELS), help=f"comma-separated: {','.join(MODELS)} (default: all)")
     parser.add_argument("--strategies", type=csv(STRATEGIES), default=list(STRATEGIES), help="comma-separated: N,R,LR,LO (default: all)")
-    parser.add_argument("--allocators", type=csv(ALLOCATORS), default=list(ALLOCATORS), help="comma-separated: default,expandable,glake (default: all)")
+    parser.add_argument("--allocators", type=csv(ALLOCATORS + CONTROL_ALLOCATORS), default=list(ALLOCATORS),
+                        help="comma-separated: default,expandable,glake (default: all), or the control sizecache")
     parser.add_argument("--steps", type=int, default=14, help="training steps (default 14; step time is the median of 3..N)")
     parser.add_argument("--glake-host-timing", action="store_true",
                         help="glake runs also report the host time spent in glake's calls per step (GLAKE_HOST_TIMING=1)")
@@ -638,8 +714,12 @@ def parse(argv):
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", choices=list(MODELS), help=argparse.SUPPRESS)
     parser.add_argument("--strategy", choices=STRATEGIES, help=argparse.SUPPRESS)
-    parser.add_argument("--allocator", choices=ALLOCATORS, help=argparse.SUPPRESS)
+    parser.add_argument("--allocator", choices=ALLOCATORS + CONTROL_ALLOCATORS, help=argparse.SUPPRESS)
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
+    parser.add_argument("--profile-steps", type=step_list, default=[], metavar="K,...",
+                        help="after the measured steps, run one more step with step K's length under torch.profiler, "
+                        "for each K, and write its Chrome trace to --profile-dir")
+    parser.add_argument("--profile-dir", help="where --profile-steps' traces go (default: --log-dir)")
     parser.add_argument("--progress", action="store_true", help="children print every step on stderr")
     parser.add_argument("--gc-outside-steps", action="store_true",
                         help="Python's cyclic garbage collector runs between steps, outside their clocks, not during them")
@@ -650,7 +730,22 @@ def parse(argv):
         parser.error("--steps must be at least 1")
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    if args.profile_steps and not (args.profile_dir or args.log_dir):
+        parser.error("--profile-steps needs --profile-dir or --log-dir")
+    args.profile_dir = args.profile_dir or args.log_dir
+    if args.profile_dir:
+        args.profile_dir = os.path.abspath(args.profile_dir)
     return args
+
+
+def step_list(text):
+    try:
+        steps = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        steps = []
+    if not steps or min(steps) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give step numbers from 1, comma-separated")
+    return steps
 
 
 def check_list(text, choices):

@@ -75,6 +75,18 @@ class Driver(unittest.TestCase):
         for command, _ in children.calls:
             self.assertIn("--gc-outside-steps", command)
 
+    def test_profile_steps_reach_the_children(self):
+        children = FakeChildren(numbers)
+        self.run_driver(["--models", "opt1.3b", "--strategies", "N", "--profile-steps", "9,12"], children)
+        self.assertEqual(len(children.calls), 3)
+        for command, _ in children.calls:
+            self.assertEqual(value_after(command, "--profile-steps"), "9,12")
+            self.assertTrue(value_after(command, "--profile-dir").endswith("logs"))
+        children = FakeChildren(numbers)
+        self.run_driver(["--models", "opt1.3b", "--strategies", "N", "--profile-steps", "9", "--repeat", "2"], children)
+        dirs = [value_after(command, "--profile-dir") for command, _ in children.calls]
+        self.assertEqual([os.path.basename(d) for d in dirs], ["round0"] * 3 + ["round1"] * 3)  # none overwritten
+
     def test_one_process_per_run_with_the_allocator_chosen_by_environment(self):
         children = FakeChildren(numbers, missing={("llama1b", "R", "glake")})
         results, written, logs, progress, directory = self.run_driver(
@@ -232,6 +244,53 @@ class Child(unittest.TestCase):
         self.assertEqual((code, r["status"]), (0, "ok"), r.get("error"))
         self.assertTrue(r["gc_outside_steps"])
         self.assertEqual(r["step_gc_ms"], [0.0] * len(r["step_times_s"]))  # none inside a step's clock
+
+    def test_profiled_steps_come_after_the_measured_ones_and_leave_traces(self):
+        with tempfile.TemporaryDirectory() as directory:
+            code, r = self.run_child("default", strategy="N", steps=5,
+                                     extra=["--profile-steps", "2,4,9", "--profile-dir", directory])
+            self.assertEqual((code, r["status"]), (0, "ok"), r.get("error"))
+            self.assertEqual(len(r["step_times_s"]), 5)  # the profiled steps are extra ones
+            self.assertEqual(len(r["step_queued_s"]), 5)
+            self.assertEqual(len(r["step_cpu_s"]), 5)
+            self.assertTrue(all(c >= 0 for c in r["step_cpu_s"]))
+            self.assertEqual(len(r["step_steal_jiffies"]), 5)
+            lengths = finetune.sequence_lengths(5)
+            self.assertEqual([p["length"] for p in r["profiled"]], [lengths[1], lengths[3]])  # no step 9
+            for p in r["profiled"]:
+                self.assertTrue(os.path.isfile(p["trace"]), p["trace"])
+                self.assertTrue(p["trace"].startswith(directory))
+                self.assertLessEqual(p["queued_s"], p["step_s"])
+            self.assertEqual(len(os.listdir(directory)), 2)  # the warm-up step leaves no trace
+
+    def test_steal_is_read_from_the_cpu_line(self):
+        with tempfile.TemporaryDirectory() as directory:
+            stat = os.path.join(directory, "stat")
+            with open(stat, "w") as f:
+                f.write("cpu  10 20 30 40 50 60 70 1234 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+            self.assertEqual(finetune.steal_jiffies(stat), 1234)
+            with open(stat, "w") as f:
+                f.write("intr 5\n")
+            self.assertIsNone(finetune.steal_jiffies(stat))
+            self.assertIsNone(finetune.steal_jiffies(os.path.join(directory, "missing")))
+
+    def test_profile_steps_need_a_directory_and_step_numbers(self):
+        with contextlib.redirect_stderr(io.StringIO()):
+            with self.assertRaises(SystemExit):
+                finetune.parse(["--profile-steps", "3"])
+            with self.assertRaises(SystemExit):
+                finetune.parse(["--profile-steps", "0,2", "--log-dir", "x"])
+            with self.assertRaises(SystemExit):
+                finetune.parse(["--profile-steps", "a", "--log-dir", "x"])
+        args = finetune.parse(["--profile-steps", "3,7", "--log-dir", "logs"])
+        self.assertEqual((args.profile_steps, args.profile_dir), ([3, 7], os.path.abspath("logs")))
+
+    def test_size_cache_control_is_chosen_by_name_only(self):
+        self.assertNotIn("sizecache", finetune.parse([]).allocators)
+        self.assertEqual(finetune.parse(["--allocators", "default,sizecache"]).allocators, ["default", "sizecache"])
+        code, r = self.run_child("sizecache", strategy="N", GLAKE_SIZE_CACHE_LIBRARY="/nonexistent/libsize_cache.so")
+        self.assertEqual((code, r["status"]), (1, "error"))
+        self.assertIn("libsize_cache.so", r["error"])
 
     def test_expandable_needs_its_variable(self):
         code, r = self.run_child("expandable", strategy="N")
