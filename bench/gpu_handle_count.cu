@@ -6,16 +6,22 @@
 // training step makes anyway (a kernel launch, an event, cudaMemGetInfo, the per-handle cost of
 // mapping a stitch) scaled with that count, glake would pay it in every step, outside its own
 // calls. This probe times those calls with K handles created and mapped twice (a segment range
-// and an alias range, as a stitch maps them), for K from 0 up to 16,384 (32 GiB).
+// and alias ranges, as a stitch maps them), for K from 0 up to 16,384 (32 GiB). By default the
+// aliases are one range; with an argument R they are K/R ranges of R handles each, so the number
+// of reserved ranges grows too (glake reserves one per segment and one per stitch). Memsets of
+// 4 KiB into cudaMalloc'd and into VMM-mapped memory are timed as well (PyTorch issues them for
+// zero-filled tensors).
 //
-//   nvcc -std=c++17 -O2 -arch=sm_90 bench/gpu_handle_count.cu -lcuda -o /tmp/handle_count && /tmp/handle_count
+//   nvcc -std=c++17 -O2 -arch=sm_90 bench/gpu_handle_count.cu -lcuda -o /tmp/handle_count && /tmp/handle_count [R]
 #include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "gpu_check.hpp"
@@ -40,26 +46,36 @@ double median_us(int repeats, const std::function<void()>& call) {
 
 struct held {
   std::vector<CUmemGenericAllocationHandle> handles;
-  CUdeviceptr segment = 0, alias = 0;
-  std::size_t bytes = 0;
+  CUdeviceptr segment = 0;
+  std::vector<CUdeviceptr> aliases;  // each maps `per_alias` handles (the last one maybe fewer)
+  std::size_t bytes = 0, per_alias = 0;
 };
 
-void map_all(const held& h, CUdeviceptr base, std::size_t chunk, int device) {
-  for (std::size_t i = 0; i < h.handles.size(); ++i) check(cuMemMap(base + i * chunk, chunk, 0, h.handles[i], 0), "cuMemMap");
+// Maps handles[first, first + count) side by side at `base` and opens them to the device.
+void map_range(const held& h, std::size_t first, std::size_t count, CUdeviceptr base, std::size_t chunk, int device) {
+  for (std::size_t i = 0; i < count; ++i) check(cuMemMap(base + i * chunk, chunk, 0, h.handles[first + i], 0), "cuMemMap");
   CUmemAccessDesc access{};
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   access.location.id = device;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  check(cuMemSetAccess(base, h.bytes, &access, 1), "cuMemSetAccess");
+  check(cuMemSetAccess(base, count * chunk, &access, 1), "cuMemSetAccess");
 }
 
-// Grows `h` to `count` handles, each mapped in a segment range and in an alias range.
-void hold(held& h, std::size_t count, std::size_t chunk, const CUmemAllocationProp& prop, int device) {
+void unmap_range(CUdeviceptr base, std::size_t bytes) {
+  check(cuMemUnmap(base, bytes), "cuMemUnmap");
+  check(cuMemAddressFree(base, bytes), "cuMemAddressFree");
+}
+
+// Grows `h` to `count` handles, each mapped in one segment range and in an alias range of
+// `per_alias` handles (all of them in one when per_alias is 0).
+void hold(held& h, std::size_t count, std::size_t per_alias, std::size_t chunk, const CUmemAllocationProp& prop,
+          int device) {
   if (h.bytes != 0) {
-    check(cuMemUnmap(h.segment, h.bytes), "cuMemUnmap");
-    check(cuMemUnmap(h.alias, h.bytes), "cuMemUnmap");
-    check(cuMemAddressFree(h.segment, h.bytes), "cuMemAddressFree");
-    check(cuMemAddressFree(h.alias, h.bytes), "cuMemAddressFree");
+    unmap_range(h.segment, h.bytes);
+    for (std::size_t i = 0; i < h.aliases.size(); ++i) {
+      unmap_range(h.aliases[i], std::min(h.per_alias, h.handles.size() - i * h.per_alias) * chunk);
+    }
+    h.aliases.clear();
   }
   while (h.handles.size() < count) {
     CUmemGenericAllocationHandle handle{};
@@ -67,16 +83,23 @@ void hold(held& h, std::size_t count, std::size_t chunk, const CUmemAllocationPr
     h.handles.push_back(handle);
   }
   h.bytes = count * chunk;
+  h.per_alias = per_alias == 0 ? std::max<std::size_t>(count, 1) : per_alias;
   if (count == 0) return;
   check(cuMemAddressReserve(&h.segment, h.bytes, chunk, 0, 0), "cuMemAddressReserve");
-  check(cuMemAddressReserve(&h.alias, h.bytes, chunk, 0, 0), "cuMemAddressReserve");
-  map_all(h, h.segment, chunk, device);
-  map_all(h, h.alias, chunk, device);
+  map_range(h, 0, count, h.segment, chunk, device);
+  for (std::size_t first = 0; first < count; first += h.per_alias) {
+    const std::size_t n = std::min(h.per_alias, count - first);
+    CUdeviceptr alias = 0;
+    check(cuMemAddressReserve(&alias, n * chunk, chunk, 0, 0), "cuMemAddressReserve");
+    map_range(h, first, n, alias, chunk, device);
+    h.aliases.push_back(alias);
+  }
 }
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  const std::size_t per_alias = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 0;
   const int device = 0;
   check(cudaSetDevice(device), "cudaSetDevice");
   check(cudaFree(nullptr), "cudaFree");  // creates the primary context
@@ -96,12 +119,13 @@ int main() {
   std::vector<CUmemGenericAllocationHandle> spare(4);
   for (auto& s : spare) check(cuMemCreate(&s, chunk, &prop, 0), "cuMemCreate");
 
-  std::printf("median us over 200 calls each; K handles of %zu MiB, each mapped twice\n", chunk >> 20);
-  std::printf("%7s %10s %10s %12s %12s %12s %14s %14s\n", "K", "memGetInfo", "launch", "launch+sync",
-              "event rec+q", "memcpy 4KiB", "malloc+free 2M", "stitch 4 (us)");
+  std::printf("median us over 200 calls each; K handles of %zu MiB, each mapped twice (aliases: %s)\n", chunk >> 20,
+              per_alias == 0 ? "one range" : (std::to_string(per_alias) + " handles a range").c_str());
+  std::printf("%7s %10s %10s %12s %12s %12s %14s %14s %12s %12s\n", "K", "memGetInfo", "launch", "launch+sync",
+              "event rec+q", "memcpy 4KiB", "malloc+free 2M", "stitch 4 (us)", "memset dev", "memset vmm");
   held h;
   for (const std::size_t k : {std::size_t{0}, std::size_t{1024}, std::size_t{4096}, std::size_t{12288}, std::size_t{16384}}) {
-    hold(h, k, chunk, prop, device);
+    hold(h, k, per_alias, chunk, prop, device);
     check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     const int n = 200;
     const double info = median_us(n, [] {
@@ -132,14 +156,30 @@ int main() {
       s.handles = spare;
       s.bytes = spare.size() * chunk;
       check(cuMemAddressReserve(&s.segment, s.bytes, chunk, 0, 0), "cuMemAddressReserve");
-      map_all(s, s.segment, chunk, device);
-      check(cuMemUnmap(s.segment, s.bytes), "cuMemUnmap");
-      check(cuMemAddressFree(s.segment, s.bytes), "cuMemAddressFree");
+      map_range(s, 0, spare.size(), s.segment, chunk, device);
+      unmap_range(s.segment, s.bytes);
     });
-    std::printf("%7zu %10.2f %10.2f %12.2f %12.2f %12.2f %14.2f %14.2f\n", k, info, launch, launch_sync, event_us, copy,
-                malloc_free, stitch);
+    // A memset into the middle of the mapped memory (the spare handles' when none are held).
+    held target;
+    target.handles = spare;
+    target.bytes = spare.size() * chunk;
+    CUdeviceptr vmm = h.aliases.empty() ? 0 : h.aliases[h.aliases.size() / 2];
+    if (vmm == 0) {
+      check(cuMemAddressReserve(&target.segment, target.bytes, chunk, 0, 0), "cuMemAddressReserve");
+      map_range(target, 0, spare.size(), target.segment, chunk, device);
+      vmm = target.segment;
+    }
+    const double memset_dev = median_us(n, [&] { check(cudaMemsetAsync(small, 0, 4096, stream), "cudaMemsetAsync"); });
+    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    const double memset_vmm = median_us(n, [&] {
+      check(cudaMemsetAsync(reinterpret_cast<void*>(vmm), 0, 4096, stream), "cudaMemsetAsync");
+    });
+    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    if (target.segment != 0) unmap_range(target.segment, target.bytes);
+    std::printf("%7zu %10.2f %10.2f %12.2f %12.2f %12.2f %14.2f %14.2f %12.2f %12.2f\n", k, info, launch, launch_sync,
+                event_us, copy, malloc_free, stitch, memset_dev, memset_vmm);
   }
-  hold(h, 0, chunk, prop, device);
+  hold(h, 0, per_alias, chunk, prop, device);
   for (auto handle : h.handles) check(cuMemRelease(handle), "cuMemRelease");
   for (auto s : spare) check(cuMemRelease(s), "cuMemRelease");
   std::printf("A call whose cost grows with K is paid in every training step under glake, not under PyTorch's allocator.\n");
