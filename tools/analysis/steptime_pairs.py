@@ -6,8 +6,10 @@
 
 Per workload: each run's median step, the pair ratios (glake / default, runs paired in order),
 glake's mean over default's mean, how many of steps 3..N made driver calls and how many calls,
-and the median per-step ratio over steps where glake made none. Then the median and geometric
-mean of all pair ratios.
+and the median per-step ratio over steps where glake made none; the pairs' geometric mean with
+its 95% interval (Student's t over the log ratios) and what that says of the 1.02 target: "met"
+when the whole interval lies at or below it, "missed" when above, else "open". Then the median
+and geometric mean of all pair ratios.
 """
 import collections
 import json
@@ -29,11 +31,37 @@ def runs_by_workload(paths):
     return by
 
 
+# Two-sided 95% quantiles of Student's t by degrees of freedom (1..30); the normal's beyond.
+T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+       2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+       2.045, 2.042)
+TARGET = 1.02
+
+
+def ratio_interval(ratios):
+    """Geometric mean of the ratios and its 95% interval; the interval is None for one ratio."""
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.mean(logs)
+    if len(logs) < 2:
+        return math.exp(mean), None
+    half = (T95[len(logs) - 2] if len(logs) - 1 <= len(T95) else 1.960) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), (math.exp(mean - half), math.exp(mean + half))
+
+
+def verdict(interval, target=TARGET):
+    if interval is None:
+        return "open"
+    low, high = interval
+    return "met" if high <= target else "missed" if low > target else "open"
+
+
 def main(paths):
     by = runs_by_workload(paths)
     ratios = []
     for (model, strategy), runs in sorted(by.items()):
         d, g = runs["default"], runs["glake"]
+        if not d or not g:
+            continue
         pairs = [x["median_step_s"] / y["median_step_s"] for x, y in zip(g, d)]
         ratios += pairs
         quiet_g, quiet_d = [], []
@@ -51,6 +79,9 @@ def main(paths):
         pair_text = " ".join(f"{p:.3f}" for p in pairs)
         print(f"{model:11s} {strategy:3s} default {steps(d):14s} glake {steps(g):14s} pairs {pair_text:12s} "
               f"means {means:.3f}  steps with calls {busy}  calls {calls}  quiet-step ratio {quiet:.3f} (n={len(quiet_g)})")
+        geo, interval = ratio_interval(pairs)
+        span = f"[{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "[one pair]"
+        print(f"{'':15s} {len(pairs)} pairs: geometric mean {geo:.3f}, 95% {span}, target {TARGET}: {verdict(interval)}")
     if ratios:
         geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
         print(f"{len(ratios)} pairs: median {statistics.median(ratios):.3f}, geometric mean {geo:.3f}")
