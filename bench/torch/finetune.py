@@ -117,6 +117,8 @@ def is_oom(error):
 
 def child(args):
     started = time.time()
+    if args.cpus:
+        os.sched_setaffinity(0, args.cpus)  # before torch starts any thread: they all inherit it
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -124,6 +126,7 @@ def child(args):
         model=args.model, strategy=args.strategy, allocator=args.allocator, steps=args.steps, batch=BATCH,
         seed=SEED, fsdp=bool(args.fsdp), rank=rank, world_size=world, device=local_rank, status="error",
         alloc_conf={k: os.environ[k] for k in ALLOC_CONF_VARIABLES if k in os.environ},
+        cpus=sorted(os.sched_getaffinity(0)),
     )
     try:
         run_training(args, result, local_rank)
@@ -480,6 +483,8 @@ def drive(args, driver_command):
             common.append("--progress")
         if args.gc_outside_steps:
             common.append("--gc-outside-steps")
+        if args.cpus:
+            common += ["--cpus", ",".join(map(str, args.cpus))]
         if args.profile_steps:
             common += ["--profile-steps", ",".join(map(str, args.profile_steps)),
                        "--profile-dir", os.path.join(args.profile_dir, f"round{round_}") if args.repeat > 1 else args.profile_dir]
@@ -719,6 +724,8 @@ def parse(argv):
     parser.add_argument("--profile-steps", type=step_list, default=[], metavar="K,...",
                         help="after the measured steps, run one more step with step K's length under torch.profiler, "
                         "for each K, and write its Chrome trace to --profile-dir")
+    parser.add_argument("--cpus", type=cpu_list, metavar="LIST",
+                        help="run each child on these CPUs only, e.g. 0,2,4-6 (the same for every allocator)")
     parser.add_argument("--profile-dir", help="where --profile-steps' traces go (default: --log-dir)")
     parser.add_argument("--progress", action="store_true", help="children print every step on stderr")
     parser.add_argument("--gc-outside-steps", action="store_true",
@@ -746,6 +753,19 @@ def step_list(text):
     if not steps or min(steps) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: give step numbers from 1, comma-separated")
     return steps
+
+
+def cpu_list(text):
+    cpus = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.strip().partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        cpus = set()
+    if not cpus or min(cpus) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give CPU numbers, e.g. 0,2,4-6")
+    return sorted(cpus)
 
 
 def check_list(text, choices):

@@ -80,10 +80,13 @@ class Driver(unittest.TestCase):
         self.run_driver(["--models", "opt1.3b", "--strategies", "N", "--profile-steps", "9,12"], children)
         self.assertEqual(len(children.calls), 3)
         for command, _ in children.calls:
+            self.assertNotIn("--cpus", command)
             self.assertEqual(value_after(command, "--profile-steps"), "9,12")
             self.assertTrue(value_after(command, "--profile-dir").endswith("logs"))
         children = FakeChildren(numbers)
-        self.run_driver(["--models", "opt1.3b", "--strategies", "N", "--profile-steps", "9", "--repeat", "2"], children)
+        self.run_driver(["--models", "opt1.3b", "--strategies", "N", "--profile-steps", "9", "--repeat", "2",
+                         "--cpus", "1,3"], children)
+        self.assertTrue(all(value_after(command, "--cpus") == "1,3" for command, _ in children.calls))
         dirs = [value_after(command, "--profile-dir") for command, _ in children.calls]
         self.assertEqual([os.path.basename(d) for d in dirs], ["round0"] * 3 + ["round1"] * 3)  # none overwritten
 
@@ -273,6 +276,19 @@ class Child(unittest.TestCase):
                 f.write("intr 5\n")
             self.assertIsNone(finetune.steal_jiffies(stat))
             self.assertIsNone(finetune.steal_jiffies(os.path.join(directory, "missing")))
+
+    def test_cpus_are_parsed_passed_on_and_applied(self):
+        self.assertEqual(finetune.parse(["--cpus", "0,2,4-6"]).cpus, [0, 2, 4, 5, 6])
+        with contextlib.redirect_stderr(io.StringIO()):
+            for bad in ("", "a", "3-x", "-1"):
+                with self.assertRaises(SystemExit):
+                    finetune.parse(["--cpus", bad])
+        mine = sorted(os.sched_getaffinity(0))
+        code, r = self.run_child("default", strategy="N", extra=["--cpus", str(mine[0])])
+        self.assertEqual((code, r["status"]), (0, "ok"), r.get("error"))
+        self.assertEqual(r["cpus"], [mine[0]])
+        code, r = self.run_child("default", strategy="N")
+        self.assertEqual(r["cpus"], mine)
 
     def test_profile_steps_need_a_directory_and_step_numbers(self):
         with contextlib.redirect_stderr(io.StringIO()):
