@@ -198,7 +198,7 @@ TEST_CASE("randomized: the caching allocator under the same sequences") {
   CHECK(run_random_sequence(allocator, device, 99, 200'000, 48) > 0);
 }
 
-TEST_CASE("randomized: handles of varying size (max_handle) stitch only whole handles, invariants after each") {
+TEST_CASE("randomized: handles of varying size (max_handle) stitch, repair and grow by whole handles, invariants after each") {
   sim_device device(5 * GiB + 512 * MiB);
   config cfg;
   cfg.frag_limit = 0;
@@ -207,5 +207,9 @@ TEST_CASE("randomized: handles of varying size (max_handle) stitch only whole ha
   cfg.auto_gc = 2 * GiB;
   stitching_allocator<sim_provider, sim_reserver> allocator(sim_provider{device}, sim_reserver{device}, cfg);
   CHECK(run_random_sequence(allocator, device, 314, 200'000, 48) > 10);
-  CHECK(allocator.stats().stitches > 100);
+  const statistics s = allocator.stats();
+  MESSAGE("stitches " << s.stitches << ", repairs " << s.stitch_repairs << ", grows " << s.stitch_grows);
+  CHECK(s.stitches > 100);
+  CHECK(s.stitch_repairs > 100);  // cached ranges repaired and grown with mixed handle sizes
+  CHECK(s.stitch_grows > 100);
 }

@@ -489,6 +489,97 @@ TEST_CASE("stitching: with large handles only whole free handles are stitched, a
   CHECK(device.violations() == 0);
 }
 
+TEST_CASE("stitching: with large handles a cached range is repaired by a free handle of the same size") {
+  sim_device device(2 * GiB);
+  config cfg = stitch_everything();
+  cfg.max_handle = 64 * M;
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, cfg);
+  // Three 512 MiB segments of eight 64 MiB handles; the first and third stitched into 1 GiB.
+  void* a = allocator.allocate(512 * M);
+  void* b = allocator.allocate(512 * M);
+  void* c = allocator.allocate(512 * M);
+  allocator.deallocate(a, 512 * M);
+  allocator.deallocate(c, 512 * M);
+  void* stitched = allocator.allocate(1024 * M);
+  CHECK(allocator.stats().stitches == 1);
+  allocator.deallocate(stitched, 1024 * M);
+  void* hole = allocator.allocate(32 * M);  // in place: half of one of the range's handles
+  const std::uint64_t hole_handle = handle_at(device, hole);
+  allocator.deallocate(b, 512 * M);         // eight whole handles the range does not map
+  const driver_call_counts before = allocator.stats().driver_calls;
+
+  void* again = allocator.allocate(1024 * M);
+  CHECK(again == stitched);
+  const statistics s = allocator.stats();
+  CHECK(s.stitches == 1);
+  CHECK(s.stitch_repairs == 1);
+  CHECK(s.reserved_bytes == 1536 * M);
+  // The one handle the hole lies in was replaced whole, by a 64 MiB handle from b.
+  const auto delta = [&](driver_call k) { return s.driver_calls[k] - before[k]; };
+  CHECK(delta(driver_call::unmap) == 1);
+  CHECK(delta(driver_call::map) == 1);
+  CHECK(delta(driver_call::set_access) == 1);
+  CHECK(delta(driver_call::reserve) + delta(driver_call::create) == 0);
+  std::set<std::uint64_t> handles;
+  for (std::size_t off = 0; off < 1024 * M; off += 64 * M) {
+    const auto where = device.resolve(static_cast<char*>(again) + off);
+    REQUIRE(where.has_value());
+    CHECK(where->accessible);
+    CHECK(where->handle != hole_handle);
+    handles.insert(where->handle);
+  }
+  CHECK(handles.size() == 16);
+  allocator.verify();
+  allocator.deallocate(again, 1024 * M);
+  allocator.deallocate(hole, 32 * M);
+  allocator.verify();
+  allocator.release_cached();
+  CHECK(allocator.stats().reserved_bytes == 0);
+  CHECK(device.live_mappings() == 0);
+  CHECK(device.violations() == 0);
+}
+
+TEST_CASE("stitching: with large handles a cached range grows in place by whole free handles") {
+  sim_device device(2 * GiB);
+  config cfg = stitch_everything();
+  cfg.max_handle = 64 * M;
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, cfg);
+  void* a = allocator.allocate(512 * M);
+  void* b = allocator.allocate(512 * M);
+  void* c = allocator.allocate(512 * M);
+  allocator.deallocate(a, 512 * M);
+  allocator.deallocate(c, 512 * M);
+  void* stitched = allocator.allocate(1024 * M);
+  allocator.deallocate(stitched, 1024 * M);
+  allocator.deallocate(b, 512 * M);
+  const driver_call_counts before = allocator.stats().driver_calls;
+
+  void* grown = allocator.allocate(1100 * M);  // 76 MiB more: two 64 MiB handles appended
+  CHECK(grown == stitched);
+  const statistics s = allocator.stats();
+  CHECK(s.stitches == 1);
+  CHECK(s.stitch_grows == 1);
+  CHECK(s.stitch_repairs == 0);
+  CHECK(s.reserved_bytes == 1536 * M);
+  const auto delta = [&](driver_call k) { return s.driver_calls[k] - before[k]; };
+  CHECK(delta(driver_call::map) == 2);
+  CHECK(delta(driver_call::set_access) == 1);
+  CHECK(delta(driver_call::unmap) + delta(driver_call::reserve) + delta(driver_call::create) == 0);
+  for (std::size_t off = 0; off < 1152 * M; off += 64 * M) {
+    const auto where = device.resolve(static_cast<char*>(grown) + off);
+    REQUIRE(where.has_value());
+    CHECK(where->accessible);
+  }
+  allocator.verify();
+  allocator.deallocate(grown, 1100 * M);
+  CHECK(allocator.stats().cached_stitch_bytes == 1152 * M);  // whole handles: more than asked
+  allocator.verify();
+  allocator.release_cached();
+  CHECK(allocator.stats().reserved_bytes == 0);
+  CHECK(device.live_mappings() == 0);
+  CHECK(device.violations() == 0);
+}
+
 // ------------------------------------------------------------------------- rollback
 
 namespace {

@@ -28,9 +28,10 @@ inline constexpr std::pair<const char*, const char*> default_variables[] = {
 /// ~18 us to unmap), so a stitch of a 1 GiB logits tensor costs ~11 ms from 2 MiB handles and
 /// ~3 ms from 8 MiB ones. Handles partly in use cannot be stitched, which costs a little
 /// utilization (0.983-0.995 over the nine replayed traces against 0.987-0.997 with 2 MiB only;
-/// 16 MiB falls to 0.978, below the 0.98 glake keeps), and repair and growth of cached stitches
-/// need handles of one size, so they are off. bench/results/replay.md, "Handles of up to 8 MiB",
-/// has the measurements; `max_handle:0` restores 2 MiB handles.
+/// 16 MiB falls to 0.978, below the 0.98 glake keeps). Cached stitches are repaired by free
+/// handles of the same size and grow by whole handles. bench/results/replay.md, "Handles of up to
+/// 8 MiB" and "Repair and growth with handles of several sizes", has the measurements;
+/// `max_handle:0` restores 2 MiB handles.
 inline config default_base() {
   config c;
   c.max_handle = 8 * MiB;

@@ -40,12 +40,12 @@ namespace glake {
 ///   1. the best-fitting free block of its stream (split at a chunk boundary);
 ///   2. a cached stitched range of size S with R <= S <= R * reuse_limit whose first R bytes of
 ///      chunks are all free: those chunks are claimed, the rest stay free for others; failing
-///      that (for requests that may stitch, with handles of one size), such a range with at most
-///      half of those chunks taken since, once the taken ones are replaced in it by free chunks
-///      from elsewhere (an unmap, a map and access per replaced chunk, not per chunk of R); or a
+///      that (for requests that may stitch), such a range with at most half of those bytes taken
+///      since, once the handles taken are replaced in it by free handles of the same size from
+///      elsewhere (an unmap, a map and access per replaced handle, not per handle of R); or a
 ///      smaller cached range grown in place: every stitched range reserves `stitch_reserve` times
-///      its size of address space, and free chunks are mapped after its end (a map and access
-///      each), when at most half of R's chunks are mapped anew this way;
+///      its size of address space, and free handles are mapped after its end (a map and access
+///      each), when at most half of R's bytes are mapped anew this way;
 ///   3. a new stitch: the Stitch strategy picks free blocks of the stream, their chunks are mapped
 ///      side by side into a fresh range (one map per chunk, one set-access), and the blocks are
 ///      claimed (the last one split so the total is exact);
@@ -529,15 +529,15 @@ class stitching_allocator {
 
   // Step 2, repaired or grown (before a new stitch): a cached range most of whose needed handles
   // are free. The others, taken since by blocks allocated in place, are replaced in the range by
-  // free handles from elsewhere: an unmap, a map and access for each replaced handle, where a
-  // new stitch maps and grants access to every handle and leaves one more range cached. A range
-  // smaller than the request whose reservation has room grows in place: free handles are mapped
-  // after its end (a map and access each). Only with handles of one size, only when at most half
-  // the request's handles are mapped anew, and only over a range whose work queued before its
-  // free has completed when a mapped handle is replaced (appending touches no address that work
-  // could use). With `may_grow`, new memory makes up for too few free handles.
+  // free handles of the same size from elsewhere: an unmap, a map and access for each replaced
+  // handle, where a new stitch maps and grants access to every handle and leaves one more range
+  // cached. A range smaller than the request whose reservation has room grows in place: free
+  // handles are mapped after its end (a map and access each). Only when at most half the
+  // request's bytes are mapped anew, and only over a range whose work queued before its free has
+  // completed when a mapped handle is replaced (appending touches no address that work could
+  // use). With `may_grow`, new memory makes up for too few free handles.
   void* repair_stitch(std::size_t size, std::size_t requested, stream_ref stream, bool may_grow) {
-    if (max_handle_ != chunk_ || cached_by_size_.empty()) return nullptr;
+    if (cached_by_size_.empty()) return nullptr;
     const double limit = static_cast<double>(size) * config_.reuse_limit;
     stitched* best = nullptr;
     std::size_t best_cost = size / 2 + 1;  // bytes to map anew
@@ -567,23 +567,34 @@ class stitching_allocator {
     return best == nullptr ? nullptr : restitch(*best, size, requested, stream, may_grow);
   }
 
-  // Bytes of the first `size` of `s` not free on its stream (whole handles: blocks are runs of
-  // whole chunks, and here a chunk is a handle).
+  // Bytes of the handles mapping the first `size` bytes of `s` whose part there is not free on
+  // its stream: each such handle counts whole, as it is replaced whole.
   std::size_t missing_bytes(const stitched& s, std::size_t size) noexcept {
     std::size_t need = size, missing = 0;
     for (const piece& pc : s.pieces) {
       if (need == 0) break;
       const std::size_t take = std::min(pc.size, need);
-      const std::uintptr_t begin = pc.home->mapping.base + pc.offset, end = begin + take;
+      const auto& m = pc.home->mapping;
+      const std::uintptr_t begin = m.base + pc.offset, end = begin + take;
+      std::size_t counted = m.count;  // the last handle counted (none yet)
       for (block_type* b = arena_.containing(begin); b != nullptr && b->address < end; b = arena_.next(b)) {
         if (!b->free || b->stream != s.stream) {
-          missing += std::min(b->end(), end) - std::max(b->address, begin);
+          const std::size_t from = std::max(b->address, begin) - m.base, to = std::min(b->end(), end) - m.base;
+          for (std::size_t i = handle_at(m, from); i < m.count && m.slots[i].offset < to; ++i) {
+            if (i != counted) missing += m.slots[i].size;
+            counted = i;
+          }
         }
         if (b->end() >= end) break;
       }
       need -= take;
     }
     return missing;
+  }
+
+  // The index of the handle of `m` that maps byte `offset` of it.
+  static std::size_t handle_at(const typename backend_type::segment_type& m, std::size_t offset) noexcept {
+    return m.first_at_or_after(offset + 1) - 1;
   }
 
   // Whether the work queued before `s`'s free has completed. A failed query counts as "not
@@ -600,83 +611,105 @@ class stitching_allocator {
     }
   }
 
-  // Replaces the handles of `s`'s first `size` bytes that are not free by free handles of
-  // `stream` that `s` does not map, maps more such handles after its end when `size` is larger
-  // (new memory for those missing with `may_grow`), then claims the prefix. Null, with nothing
-  // changed, when there are too few; null with `s` dropped when the driver fails to remap.
+  // Replaces the handles of `s`'s first `size` bytes whose part there is not free by free
+  // handles of `stream`, of the same size, that `s` does not map; maps more such handles (of any
+  // size) after its end when `size` is larger (new memory for those missing with `may_grow`);
+  // then claims the prefix. Null, with nothing changed, when there are too few; null with `s`
+  // dropped when the driver fails to remap.
   void* restitch(stitched& s, std::size_t size, std::size_t requested, stream_ref stream, bool may_grow) {
-    // What the range maps now; a handle appears at most once in it.
+    // What the range maps now, side by side (a handle appears at most once in it), each with the
+    // block it lies in when (part of) it is to be claimed; a change, of its size, for each handle
+    // of the first `size` bytes whose part there is not free.
     handles_.clear();
     members_.clear();
+    next_.clear();
+    changes_.clear();
+    std::size_t at = 0;
     for_each_handle(s, [&](const piece& pc, const slot_type& h) {
+      block_type* b = nullptr;
+      if (at < size) {
+        const std::uintptr_t address = pc.home->mapping.base + h.offset;
+        b = arena_.containing(address);
+        if (!(b->free && b->stream == s.stream && b->end() >= address + std::min(h.size, size - at))) {
+          changes_.push_back(typename backend_type::replacement{next_.size(), slot_type{{}, 0, h.size}});
+          b = nullptr;
+        }
+      }
       handles_.push_back(h);
       members_.emplace_back(pc.home, h.offset);
+      next_.push_back(next_handle{pc.home, h.offset, h.size, b});
+      at += h.size;
     });
     std::sort(members_.begin(), members_.end());
     const auto is_member = [&](const segment* home, std::size_t offset) {
       return std::binary_search(members_.begin(), members_.end(), std::pair{home, offset});
     };
-    // The range's handles after the repair, side by side, each with the block it lies in when
-    // it is to be claimed; and the spare handles taken for those that are not free or not there.
-    const std::size_t count = size / chunk_;
-    next_.clear();
-    changes_.clear();
-    std::size_t replaced = 0;
-    for (std::size_t i = 0, slot = 0; i < s.pieces.size(); ++i) {
-      const piece& pc = s.pieces[i];
-      for (std::size_t offset = pc.offset; offset < pc.offset + pc.size; offset += chunk_, ++slot) {
-        block_type* b = nullptr;
-        if (slot < count) {
-          b = arena_.containing(pc.home->mapping.base + offset);
-          if (!(b->free && b->stream == s.stream)) {
-            changes_.push_back(typename backend_type::replacement{slot, {}});
-            ++replaced;
-            b = nullptr;
-          }
-        }
-        next_.push_back(next_handle{pc.home, offset, b});
-      }
-    }
-    for (std::size_t slot = next_.size(); slot < count; ++slot) {
-      changes_.push_back(typename backend_type::replacement{slot, {}});
-      next_.push_back(next_handle{});
-    }
-    const std::size_t wanted = changes_.size();
+    const std::size_t replaced = changes_.size();
+    // Handles wanted: one of each replaced handle's size, and any to append until `size`.
+    wanted_.clear();
+    for (const auto& c : changes_) add_wanted(c.slot.size);
+    std::size_t short_by = size > at ? size - at : 0, end = at;
     spares_.clear();
-    if (wanted > 0) {
+    const auto offer = [&](segment* home, const slot_type& h, block_type* b) {
+      if (take_wanted(h.size)) {
+        spares_.push_back(next_handle{home, h.offset, h.size, b});
+      } else if (short_by > 0 && end + h.size <= s.reserved) {
+        appends_.push_back(next_handle{home, h.offset, h.size, b});
+        short_by -= std::min(short_by, h.size);
+        end += h.size;
+      }
+    };
+    appends_.clear();
+    if (replaced > 0 || short_by > 0) {
       arena_.for_each_free_largest_first(stream, [&](block_type& b) {
-        for (std::uintptr_t at = b.address; at < b.end() && spares_.size() < wanted; at += chunk_) {
-          const std::size_t offset = at - b.segment->mapping.base;
-          if (!is_member(b.segment, offset)) spares_.push_back(next_handle{b.segment, offset, &b});
+        const auto& m = b.segment->mapping;
+        const std::size_t begin = b.address - m.base, stop = begin + b.size;
+        for (std::size_t i = m.first_at_or_after(begin); i < m.count && m.slots[i].offset + m.slots[i].size <= stop; ++i) {
+          if (!is_member(b.segment, m.slots[i].offset)) offer(b.segment, m.slots[i], &b);
         }
-        return spares_.size() < wanted;
+        return wanted_left() > 0 || short_by > 0;
       });
     }
     block_type* grown = nullptr;
-    if (spares_.size() < wanted) {
+    if (wanted_left() > 0 || short_by > 0) {
       if (!may_grow) return nullptr;
-      grown = add_segment((wanted - spares_.size()) * chunk_, stream);
+      grown = add_segment(wanted_left() + detail::round_up(short_by, chunk_), stream);
       if (grown == nullptr) return nullptr;
-      for (std::uintptr_t at = grown->address; at < grown->end(); at += chunk_) {
-        spares_.push_back(next_handle{grown->segment, at - grown->segment->mapping.base, grown});
+      const auto& m = grown->segment->mapping;
+      for (std::size_t i = 0; i < m.count; ++i) offer(grown->segment, m.slots[i], grown);
+      if (wanted_left() > 0 || short_by > 0) {  // handles of other sizes than the ones replaced
+        drop_segment(grown->segment);
+        return nullptr;
       }
     }
-    for (std::size_t c = 0; c < wanted; ++c) {
-      const next_handle& spare = spares_[c];
-      const auto& m = spare.home->mapping;
-      changes_[c].slot = m.slots[m.first_at_or_after(spare.offset)];
-      next_[changes_[c].index] = spare;
+    // The k-th replaced handle of a size gets the k-th spare of that size.
+    std::stable_sort(spares_.begin(), spares_.end(), [](const next_handle& a, const next_handle& b) { return a.size < b.size; });
+    order_.clear();
+    for (std::size_t c = 0; c < replaced; ++c) order_.push_back(c);
+    std::stable_sort(order_.begin(), order_.end(),
+                     [&](std::size_t a, std::size_t b) { return changes_[a].slot.size < changes_[b].slot.size; });
+    for (std::size_t k = 0; k < replaced; ++k) next_[changes_[order_[k]].index] = spares_[k];
+    for (const next_handle& h : appends_) {
+      changes_.push_back(typename backend_type::replacement{next_.size(), {}});
+      next_.push_back(h);
     }
-    // New pieces: runs of neighbouring handles of one home (and, to be claimed, of one block).
+    for (auto& c : changes_) {
+      const next_handle& h = next_[c.index];
+      const auto& m = h.home->mapping;
+      c.slot = m.slots[m.first_at_or_after(h.offset)];
+    }
+    // New pieces: runs of neighbouring handles of one home (and, to be claimed, of one block),
+    // split where the claimed prefix ends.
     pieces_.clear();
-    for (std::size_t slot = 0; slot < next_.size(); ++slot) {
-      const next_handle& h = next_[slot];
-      const bool joins = slot > 0 && slot != count && pieces_.back().home == h.home &&
-                         pieces_.back().offset + pieces_.back().size == h.offset && next_[slot - 1].block == h.block;
+    at = 0;
+    for (std::size_t i = 0; i < next_.size(); at += next_[i].size, ++i) {
+      const next_handle& h = next_[i];
+      const bool joins = i > 0 && at != size && pieces_.back().home == h.home &&
+                         pieces_.back().offset + pieces_.back().size == h.offset && next_[i - 1].block == h.block;
       if (joins) {
-        pieces_.back().size += chunk_;
+        pieces_.back().size += h.size;
       } else {
-        pieces_.push_back(piece{h.home, h.offset, chunk_});
+        pieces_.push_back(piece{h.home, h.offset, h.size});
       }
     }
     try {
@@ -702,12 +735,37 @@ class stitching_allocator {
     for (const piece& pc : pieces_) ++pc.home->stitch_refs;
     leave_stitch_cache(s);
     s.pieces.swap(pieces_);  // the old pieces' storage is the next repair's scratch
-    s.size = std::max(s.size, size);
+    s.size = std::max(s.size, at);
     claim_prefix(s, size, requested);
     ++counters_.s.stitch_cache_hits;
     if (replaced > 0) ++counters_.s.stitch_repairs;
-    if (wanted > replaced) ++counters_.s.stitch_grows;
+    if (changes_.size() > replaced) ++counters_.s.stitch_grows;
     return reinterpret_cast<void*>(s.base);
+  }
+
+  // Handles wanted by size, for restitch: few distinct sizes (chunk_size x 2^k).
+  void add_wanted(std::size_t size) {
+    for (auto& w : wanted_) {
+      if (w.first == size) {
+        ++w.second;
+        return;
+      }
+    }
+    wanted_.emplace_back(size, 1);
+  }
+  bool take_wanted(std::size_t size) noexcept {
+    for (auto& w : wanted_) {
+      if (w.first == size && w.second > 0) {
+        --w.second;
+        return true;
+      }
+    }
+    return false;
+  }
+  std::size_t wanted_left() const noexcept {
+    std::size_t bytes = 0;
+    for (const auto& w : wanted_) bytes += w.first * w.second;
+    return bytes;
   }
 
   // Calls f(piece, slot) for each handle `s` maps, in the range's order.
@@ -722,9 +780,9 @@ class stitching_allocator {
   }
 
   // The address space to reserve for a new stitched range of `size`: room to grow in place
-  // (stitch_reserve), where a cached range can grow at all (handles of one size).
+  // (stitch_reserve).
   std::size_t reservation_for(std::size_t size) const noexcept {
-    if (max_handle_ != chunk_ || config_.stitch_reserve <= 1.0) return size;
+    if (config_.stitch_reserve <= 1.0) return size;
     const double want = static_cast<double>(size) * config_.stitch_reserve;
     if (!(want < static_cast<double>(std::numeric_limits<std::size_t>::max() / 2))) return size;
     return std::max(size, detail::round_up(static_cast<std::size_t>(want), chunk_));
@@ -1562,11 +1620,15 @@ class stitching_allocator {
   struct next_handle {
     segment* home;
     std::size_t offset;
+    std::size_t size;
     block_type* block;  ///< the free block it lies in, when it is to be claimed
   };
   std::vector<std::pair<const segment*, std::size_t>> members_;
   std::vector<next_handle> next_;
-  std::vector<next_handle> spares_;
+  std::vector<next_handle> spares_;   // replacements, by size
+  std::vector<next_handle> appends_;  // mapped after the range's end
+  std::vector<std::pair<std::size_t, std::size_t>> wanted_;  // (handle size, count) still to find
+  std::vector<std::size_t> order_;
   std::vector<piece> pieces_;
   std::vector<typename backend_type::replacement> changes_;
   std::vector<std::size_t> handle_sizes_;
