@@ -489,23 +489,39 @@ TEST_CASE("stitching: with large handles only whole free handles are stitched, a
   CHECK(device.violations() == 0);
 }
 
+namespace {
+
+// Three 512 MiB segments of eight 64 MiB handles; the first and third stitched into a 1 GiB
+// range, which is then cached; the second still live.
+struct large_handles_cached {
+  sim_device device{2 * GiB};
+  sim_stitching allocator{sim_provider{device}, sim_reserver{device}, [] {
+                            config cfg = stitch_everything();
+                            cfg.max_handle = 64 * M;
+                            return cfg;
+                          }()};
+  void* middle = nullptr;
+  void* stitched = nullptr;
+  large_handles_cached() {
+    void* a = allocator.allocate(512 * M);
+    middle = allocator.allocate(512 * M);
+    void* c = allocator.allocate(512 * M);
+    allocator.deallocate(a, 512 * M);
+    allocator.deallocate(c, 512 * M);
+    stitched = allocator.allocate(1024 * M);
+    CHECK(allocator.stats().stitches == 1);
+    allocator.deallocate(stitched, 1024 * M);
+  }
+};
+
+}  // namespace
+
 TEST_CASE("stitching: with large handles a cached range is repaired by a free handle of the same size") {
-  sim_device device(2 * GiB);
-  config cfg = stitch_everything();
-  cfg.max_handle = 64 * M;
-  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, cfg);
-  // Three 512 MiB segments of eight 64 MiB handles; the first and third stitched into 1 GiB.
-  void* a = allocator.allocate(512 * M);
-  void* b = allocator.allocate(512 * M);
-  void* c = allocator.allocate(512 * M);
-  allocator.deallocate(a, 512 * M);
-  allocator.deallocate(c, 512 * M);
-  void* stitched = allocator.allocate(1024 * M);
-  CHECK(allocator.stats().stitches == 1);
-  allocator.deallocate(stitched, 1024 * M);
+  large_handles_cached f;
+  auto& [device, allocator, middle, stitched] = f;
   void* hole = allocator.allocate(32 * M);  // in place: half of one of the range's handles
   const std::uint64_t hole_handle = handle_at(device, hole);
-  allocator.deallocate(b, 512 * M);         // eight whole handles the range does not map
+  allocator.deallocate(middle, 512 * M);    // eight whole handles the range does not map
   const driver_call_counts before = allocator.stats().driver_calls;
 
   void* again = allocator.allocate(1024 * M);
@@ -540,18 +556,9 @@ TEST_CASE("stitching: with large handles a cached range is repaired by a free ha
 }
 
 TEST_CASE("stitching: with large handles a cached range grows in place by whole free handles") {
-  sim_device device(2 * GiB);
-  config cfg = stitch_everything();
-  cfg.max_handle = 64 * M;
-  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, cfg);
-  void* a = allocator.allocate(512 * M);
-  void* b = allocator.allocate(512 * M);
-  void* c = allocator.allocate(512 * M);
-  allocator.deallocate(a, 512 * M);
-  allocator.deallocate(c, 512 * M);
-  void* stitched = allocator.allocate(1024 * M);
-  allocator.deallocate(stitched, 1024 * M);
-  allocator.deallocate(b, 512 * M);
+  large_handles_cached f;
+  auto& [device, allocator, middle, stitched] = f;
+  allocator.deallocate(middle, 512 * M);
   const driver_call_counts before = allocator.stats().driver_calls;
 
   void* grown = allocator.allocate(1100 * M);  // 76 MiB more: two 64 MiB handles appended
