@@ -682,13 +682,16 @@ class stitching_allocator {
         return nullptr;
       }
     }
-    // The k-th replaced handle of a size gets the k-th spare of that size.
-    std::stable_sort(spares_.begin(), spares_.end(), [](const next_handle& a, const next_handle& b) { return a.size < b.size; });
-    order_.clear();
-    for (std::size_t c = 0; c < replaced; ++c) order_.push_back(c);
-    std::stable_sort(order_.begin(), order_.end(),
-                     [&](std::size_t a, std::size_t b) { return changes_[a].slot.size < changes_[b].slot.size; });
-    for (std::size_t k = 0; k < replaced; ++k) next_[changes_[order_[k]].index] = spares_[k];
+    // The k-th replaced handle of a size gets the k-th spare of that size, as they were found
+    // (neighbours stay neighbours). Every size has as many spares as replaced handles here.
+    for (const auto& w : wanted_) {
+      std::size_t k = 0;
+      for (std::size_t c = 0; c < replaced; ++c) {
+        if (changes_[c].slot.size != w.first) continue;
+        while (spares_[k].size != w.first) ++k;
+        next_[changes_[c].index] = spares_[k++];
+      }
+    }
     for (const next_handle& h : appends_) {
       changes_.push_back(typename backend_type::replacement{next_.size(), {}});
       next_.push_back(h);
@@ -1625,10 +1628,9 @@ class stitching_allocator {
   };
   std::vector<std::pair<const segment*, std::size_t>> members_;
   std::vector<next_handle> next_;
-  std::vector<next_handle> spares_;   // replacements, by size
+  std::vector<next_handle> spares_;   // replacements, in the order found
   std::vector<next_handle> appends_;  // mapped after the range's end
   std::vector<std::pair<std::size_t, std::size_t>> wanted_;  // (handle size, count) still to find
-  std::vector<std::size_t> order_;
   std::vector<piece> pieces_;
   std::vector<typename backend_type::replacement> changes_;
   std::vector<std::size_t> handle_sizes_;
