@@ -263,6 +263,7 @@ def run_training(args, result, device):
     if args.gc_outside_steps:
         gc.collect()
         gc.freeze()  # what exists now (model, modules) is never scanned again
+
     def train_step(length):
         """One step; returns the loss and the seconds until its last kernel was queued."""
         torch.cuda.synchronize(device)
