@@ -99,6 +99,53 @@ def steal_jiffies(path="/proc/stat"):
         return None
 
 
+# --host-probe: fixed host work timed after every step, outside its clock, that neither allocator
+# serves (no CUDA allocation): how fast this process's host runs, step by step. The scatter of
+# step times between processes follows the host's speed (bench/results/finetune.md, session 9),
+# so tools/analysis/steptime_pairs.py can compare allocators at equal host speed.
+PROBE_LOOPS = 400
+
+
+def host_probe(torch, device, tensor):
+    """Returns a function timing four kinds of host work, in seconds: `python` (the interpreter
+    alone), `dispatch` (view and detach of `tensor`, a model parameter: PyTorch's dispatcher and
+    autograd, no kernel), `launch` (empty kernels queued with torch.cuda._sleep(0)) and `memcpy`
+    (a 32 MiB copy between host tensors made here, once); and `cpu`, the CPU the thread ran on."""
+    source = torch.ones(8 << 20, dtype=torch.float32)
+    target = torch.empty_like(source)
+
+    def probe():
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(PROBE_LOOPS * 25):
+            total += i & 7
+        t1 = time.perf_counter()
+        cpu = current_cpu()
+        for _ in range(PROBE_LOOPS):
+            tensor.view(-1).detach()
+        t2 = time.perf_counter()
+        for _ in range(PROBE_LOOPS):
+            torch.cuda._sleep(0)
+        t3 = time.perf_counter()
+        torch.cuda.synchronize(device)
+        t4 = time.perf_counter()
+        target.copy_(source)
+        t5 = time.perf_counter()
+        return dict(python=t1 - t0, dispatch=t2 - t1, launch=t3 - t2, memcpy=t5 - t4, cpu=cpu)
+
+    return probe
+
+
+def current_cpu(path="/proc/thread-self/stat"):
+    """The CPU this thread last ran on (field 39 of its stat), or None."""
+    try:
+        with open(path) as f:
+            return int(f.read().rsplit(")", 1)[1].split()[36])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def median_step(times):
     """Median of steps 3..N (all steps when there are fewer than 3)."""
     tail = times[2:] if len(times) >= 3 else times
@@ -258,6 +305,9 @@ def run_training(args, result, device):
             gc_seconds[0] += time.perf_counter() - gc_started[0]
             gc_started[0] = None
 
+    probe = host_probe(torch, device, next(model.parameters())) if args.host_probe else None
+    probes = {}
+
     gc.callbacks.append(on_gc)
     result["gc_outside_steps"] = bool(args.gc_outside_steps)
     if args.gc_outside_steps:
@@ -312,6 +362,9 @@ def run_training(args, result, device):
             sample()
             losses.append(float(loss.detach()))
             del loss
+            if probe is not None:
+                for kind, value in probe().items():
+                    probes.setdefault(kind, []).append(value if kind == "cpu" else round(value, 6))
             if args.progress:
                 print(f"[rank {result['rank']}] step {step}/{len(lengths)} len {length} {times[-1]:.3f} s", file=sys.stderr, flush=True)
         if args.profile_steps:
@@ -332,6 +385,8 @@ def run_training(args, result, device):
                           step_stitch_grows=step_grows)
             if last_host is not None:
                 result["step_allocator_host_ms"] = step_host_ms
+        if probes:
+            result["step_probe_s"] = probes
         if losses:
             result.update(loss_first=losses[0], loss_last=losses[-1])
         try:  # after a CUDA error these may fail too; the error that stopped the run matters more
@@ -484,6 +539,8 @@ def drive(args, driver_command):
             common.append("--progress")
         if args.gc_outside_steps:
             common.append("--gc-outside-steps")
+        if args.host_probe:
+            common.append("--host-probe")
         if args.cpus:
             common += ["--cpus", ",".join(map(str, args.cpus))]
         if args.profile_steps:
@@ -731,6 +788,9 @@ def parse(argv):
     parser.add_argument("--progress", action="store_true", help="children print every step on stderr")
     parser.add_argument("--gc-outside-steps", action="store_true",
                         help="Python's cyclic garbage collector runs between steps, outside their clocks, not during them")
+    parser.add_argument("--host-probe", action="store_true",
+                        help="after every step, outside its clock, time fixed host work no allocator serves "
+                        "(step_probe_s: python, dispatch, launch, memcpy) to measure the process's host speed")
     args = parser.parse_args(argv)
     if args.child and not (args.model and args.strategy and args.allocator):
         parser.error("--child needs --model, --strategy and --allocator")

@@ -75,6 +75,15 @@ class Driver(unittest.TestCase):
         for command, _ in children.calls:
             self.assertIn("--gc-outside-steps", command)
 
+    def test_host_probe_reaches_the_children(self):
+        children = FakeChildren(numbers)
+        self.run_driver(["--models", "opt1.3b", "--strategies", "N", "--host-probe"], children)
+        self.assertEqual(len(children.calls), 3)
+        self.assertTrue(all("--host-probe" in command for command, _ in children.calls))
+        children = FakeChildren(numbers)
+        self.run_driver(["--models", "opt1.3b", "--strategies", "N"], children)
+        self.assertFalse(any("--host-probe" in command for command, _ in children.calls))
+
     def test_profile_steps_reach_the_children(self):
         children = FakeChildren(numbers)
         self.run_driver(["--models", "opt1.3b", "--strategies", "N", "--profile-steps", "9,12"], children)
@@ -247,6 +256,20 @@ class Child(unittest.TestCase):
         self.assertEqual((code, r["status"]), (0, "ok"), r.get("error"))
         self.assertTrue(r["gc_outside_steps"])
         self.assertEqual(r["step_gc_ms"], [0.0] * len(r["step_times_s"]))  # none inside a step's clock
+
+    def test_host_probe_times_four_kinds_of_work_after_every_step(self):
+        code, r = self.run_child("default", strategy="R", steps=4, extra=["--host-probe"])
+        self.assertEqual((code, r["status"]), (0, "ok"), r.get("error"))
+        self.assertEqual(sorted(r["step_probe_s"]), ["cpu", "dispatch", "launch", "memcpy", "python"])
+        cpus = r["step_probe_s"].pop("cpu")
+        self.assertEqual(len(cpus), 4)
+        self.assertTrue(set(cpus) <= set(os.sched_getaffinity(0)), cpus)
+        for kind, seconds in r["step_probe_s"].items():
+            self.assertEqual(len(seconds), 4, kind)
+            self.assertTrue(all(s >= 0 for s in seconds), kind)
+        self.assertGreater(min(r["step_probe_s"]["python"]), 0)  # the interpreter loop always takes time
+        code, r = self.run_child("default", strategy="N", steps=2)
+        self.assertNotIn("step_probe_s", r)  # off unless asked for
 
     def test_profiled_steps_come_after_the_measured_ones_and_leave_traces(self):
         with tempfile.TemporaryDirectory() as directory:

@@ -57,8 +57,23 @@ class Tensor:
     def detach(self):
         return self
 
+    def view(self, *shape):
+        return Tensor(self.value, self.dtype, self._numel, self.requires_grad)
+
+    def copy_(self, other):
+        self.value = other.value
+        return self
+
     def __float__(self):
         return float(self.value)
+
+
+def ones(n, dtype=float32):
+    return Tensor(1.0, dtype, n, False)
+
+
+def empty_like(t):
+    return Tensor(0.0, t.dtype, t._numel, False)
 
 
 def randint(low, high, size, device=None, generator=None):
@@ -106,6 +121,7 @@ cuda = types.SimpleNamespace(
     set_device=lambda d: _init(),
     current_device=lambda: 0,
     synchronize=lambda d=None: None,
+    _sleep=lambda cycles: None,
     mem_get_info=lambda d=None: (70 * GB, 80 * GB),
     get_device_name=lambda d=None: "Fake GPU",
     max_memory_allocated=lambda d=None: 3 * GB,
