@@ -8,8 +8,12 @@ Per workload: each run's median step, the pair ratios (glake / default, runs pai
 glake's mean over default's mean, how many of steps 3..N made driver calls and how many calls,
 and the median per-step ratio over steps where glake made none; the pairs' geometric mean with
 its 95% interval (Student's t over the log ratios) and what that says of the 1.02 target: "met"
-when the whole interval lies at or below it, "missed" when above, else "open". Then the median
-and geometric mean of all pair ratios.
+when the whole interval lies at or below it, "missed" when above, else "open". Then the median,
+geometric mean, interval and verdict of all pair ratios pooled; and, over the pairs whose runs
+ran with --host-probe, the ratio at equal host speed: the intercept of a least-squares line
+through (glake's share of slow probes minus default's, log ratio), a probe being slow when its
+Python loop took over 0.5 ms (the lent machines' CPUs run it in ~0.38 or ~0.70 ms,
+bench/results/finetune.md, session 9).
 """
 import collections
 import json
@@ -48,6 +52,35 @@ def ratio_interval(ratios):
     return math.exp(mean), (math.exp(mean - half), math.exp(mean + half))
 
 
+SLOW_PROBE_S = 0.5e-3
+
+
+def slow_share(run, threshold=SLOW_PROBE_S):
+    """The share of steps 3..N whose host probe's Python loop ran slow, or None without probes."""
+    loops = ((run.get("step_probe_s") or {}).get("python") or [])[2:]
+    return sum(1 for t in loops if t > threshold) / len(loops) if loops else None
+
+
+def host_adjusted(points):
+    """Least squares through (slow-share difference, log ratio) points: the ratio at equal host
+    speed (exp of the intercept), the slope, the correlation, and the residuals' and the log
+    ratios' standard deviations. None for fewer than 3 points or no spread in host speed."""
+    if len(points) < 3:
+        return None
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return None
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    intercept = my - slope * mx
+    residuals = [y - intercept - slope * x for x, y in points]
+    syy = sum((y - my) ** 2 for y in ys)
+    corr = slope * math.sqrt(sxx / syy) if syy > 0 else float("nan")
+    return dict(ratio=math.exp(intercept), slope=slope, corr=corr, sd_residual=statistics.stdev(residuals),
+                sd_raw=statistics.stdev(ys))
+
+
 def verdict(interval, target=TARGET):
     if interval is None:
         return "open"
@@ -57,13 +90,16 @@ def verdict(interval, target=TARGET):
 
 def main(paths):
     by = runs_by_workload(paths)
-    ratios = []
+    ratios, probed = [], []
     for (model, strategy), runs in sorted(by.items()):
         d, g = runs["default"], runs["glake"]
         if not d or not g:
             continue
         pairs = [x["median_step_s"] / y["median_step_s"] for x, y in zip(g, d)]
         ratios += pairs
+        for x, y, ratio in zip(g, d, pairs):
+            if slow_share(x) is not None and slow_share(y) is not None:
+                probed.append((slow_share(x) - slow_share(y), math.log(ratio)))
         quiet_g, quiet_d = [], []
         for x, y in zip(g, d):
             calls = x.get("step_driver_calls") or []
@@ -83,8 +119,16 @@ def main(paths):
         span = f"[{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "[one pair]"
         print(f"{'':15s} {len(pairs)} pairs: geometric mean {geo:.3f}, 95% {span}, target {TARGET}: {verdict(interval)}")
     if ratios:
-        geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
-        print(f"{len(ratios)} pairs: median {statistics.median(ratios):.3f}, geometric mean {geo:.3f}")
+        geo, interval = ratio_interval(ratios)
+        span = f"[{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "[one pair]"
+        print(f"{len(ratios)} pairs: median {statistics.median(ratios):.3f}, geometric mean {geo:.3f}, "
+              f"95% {span}, target {TARGET}: {verdict(interval)}")
+    fit = host_adjusted(probed)
+    if fit:
+        print(f"{len(probed)} pairs with --host-probe: ratio at equal host speed {fit['ratio']:.3f} "
+              f"(raw geometric mean {math.exp(statistics.mean(y for _, y in probed)):.3f}; slope {fit['slope']:.3f} "
+              f"per unit of slow-share difference, correlation {fit['corr']:.2f}, sd of log ratios "
+              f"{fit['sd_raw']:.3f} -> {fit['sd_residual']:.3f})")
 
 
 if __name__ == "__main__":

@@ -42,5 +42,31 @@ class Interval(unittest.TestCase):
         self.assertEqual(sp.verdict((0.99, 1.03), target=1.05), "met")
 
 
+class HostSpeed(unittest.TestCase):
+    def test_slow_share_counts_steps_three_on_over_half_a_millisecond(self):
+        run = {"step_probe_s": {"python": [0.9e-3, 0.9e-3, 0.38e-3, 0.71e-3, 0.40e-3, 0.69e-3]}}
+        self.assertEqual(sp.slow_share(run), 0.5)  # steps 1-2 left out, as in median_step_s
+        self.assertIsNone(sp.slow_share({"step_times_s": [0.3] * 6}))  # run without --host-probe
+
+    def test_the_fit_recovers_the_ratio_at_equal_host_speed(self):
+        points = [(x, math.log(1.01) + 0.25 * x) for x in (-0.5, -0.2, 0.0, 0.3, 0.6)]
+        fit = sp.host_adjusted(points)
+        self.assertAlmostEqual(fit["ratio"], 1.01)
+        self.assertAlmostEqual(fit["slope"], 0.25)
+        self.assertAlmostEqual(fit["corr"], 1.0)
+        self.assertAlmostEqual(fit["sd_residual"], 0.0)
+
+    def test_noise_in_host_speed_moves_the_raw_mean_but_not_the_fit(self):
+        # glake's runs drew the slower hosts: the raw mean says 1.05, at equal speed 1.00
+        points = [(0.2, 0.25 * 0.2 + e) for e in (0.01, -0.01)] + [(0.1, 0.25 * 0.1 + e) for e in (0.01, -0.01)]
+        raw = math.exp(sum(y for _, y in points) / len(points))
+        self.assertGreater(raw, 1.03)
+        self.assertAlmostEqual(sp.host_adjusted(points)["ratio"], 1.0)
+
+    def test_too_few_pairs_or_no_spread_give_no_fit(self):
+        self.assertIsNone(sp.host_adjusted([(0.1, 0.0), (0.2, 0.1)]))
+        self.assertIsNone(sp.host_adjusted([(0.1, 0.0), (0.1, 0.1), (0.1, 0.2)]))
+
+
 if __name__ == "__main__":
     unittest.main()
