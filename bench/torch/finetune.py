@@ -660,12 +660,29 @@ def attach_replays(results, replay, trace_dir=None):
 # ---------------------------------------------------------------------------------------------
 
 
+def shown_run(runs):
+    """Of an allocator's runs of one workload (several with --repeat), the one whose memory the
+    table shows: the largest peak reserved among those that finished, else the last run."""
+    if not runs:
+        return None
+    ok = [r for r in runs if r.get("status") == "ok"]
+    return max(ok, key=lambda r: r.get("peak_reserved_bytes") or 0) if ok else runs[-1]
+
+
+def median_steps(runs):
+    """Each finished run's median step, in run order."""
+    return [r["median_step_s"] for r in runs or [] if r.get("status") == "ok" and r.get("median_step_s")]
+
+
 def markdown(results, command):
-    """One row per workload (and rank), one group of columns per allocator, then the targets."""
+    """One row per workload (and rank), one group of columns per allocator, then the targets.
+    With repeated runs, memory columns show each allocator's largest peak reserved (and that run's
+    other numbers), the step column the median of the runs' medians, and the step target the
+    pairs' geometric mean with its 95% interval (tools/analysis/steptime_pairs.py)."""
     rows = {}
     for r in results:
         key = (r["model"], r["strategy"], bool(r.get("fsdp")), r.get("rank", 0))
-        rows.setdefault(key, {})[r["allocator"]] = r
+        rows.setdefault(key, {}).setdefault(r["allocator"], []).append(r)
     allocators = [a for a in ALLOCATORS if any(a in v for v in rows.values())]
     first = next((r for r in results if r.get("gpu")), {})
     lines = [
@@ -682,7 +699,8 @@ def markdown(results, command):
         "Peak active: torch.cuda.max_memory_allocated (default, expandable), glake's requested-bytes peak. Reserved: "
         "max_memory_reserved, glake's own. util = active / reserved. Device: peak of cudaMemGetInfo's used memory "
         "(sampled after forward, backward and optimizer step) minus its value right after CUDA init. Step: median "
-        "of steps 3..N.",
+        "of steps 3..N. With repeated runs: the largest peak reserved of each allocator's runs, the median of "
+        "their median steps (and their count), and the step target over the runs paired in order.",
         "",
     ]
     header = ["workload"]
@@ -711,13 +729,15 @@ def markdown(results, command):
         name = f"{model} {strategy}" + (f" FSDP rank {rank}" if fsdp else "")
         row = [name]
         for a in allocators:
-            r = by.get(a)
+            r = shown_run(by.get(a))
+            steps = median_steps(by.get(a))
+            step = cell(r, "median_step_s", 1, 3) if len(steps) < 2 else f"{statistics.median(steps):.3f} ({len(steps)} runs)"
             row += [cell(r, "peak_active_bytes"), cell(r, "peak_reserved_bytes"), cell(r, "utilization", 1, 3),
-                    cell(r, "device_used_peak_over_base_bytes"), cell(r, "median_step_s", 1, 3)]
+                    cell(r, "device_used_peak_over_base_bytes"), step]
         if targets:
             row += check_targets(by)
         if replays:
-            g = by.get("glake") or {}
+            g = shown_run(by.get("glake")) or {}
             if "replay_ratio" in g:
                 ratio = g["replay_ratio"]
                 row += [f"{g['replay_peak_reserved_bytes'] / GB:.2f}", f"{'yes' if abs(ratio - 1) <= 0.02 else 'NO'} ({ratio:.3f})"]
@@ -728,10 +748,11 @@ def markdown(results, command):
 
 
 def check_targets(by):
+    """The three target cells of one row; `by` maps an allocator to its runs of the workload."""
     def good(r):
         return r is not None and r.get("status") == "ok"
 
-    g, e, d = by.get("glake"), by.get("expandable"), by.get("default")
+    g, e, d = (shown_run(by.get(a)) for a in ("glake", "expandable", "default"))
     out = []
     if good(g) and good(e):
         ratio = g["peak_reserved_bytes"] / e["peak_reserved_bytes"]
@@ -739,9 +760,15 @@ def check_targets(by):
     else:
         out.append("-")
     out.append(f"{'yes' if g['utilization'] >= 0.97 else 'NO'} ({g['utilization']:.3f})" if good(g) else "-")
-    if good(g) and good(d) and g.get("median_step_s") and d.get("median_step_s"):
-        ratio = g["median_step_s"] / d["median_step_s"]
-        out.append(f"{'yes' if ratio <= 1.02 else 'NO'} ({ratio:.3f})")
+    pairs = [x / y for x, y in zip(median_steps(by.get("glake")), median_steps(by.get("default")))]
+    if len(pairs) == 1:
+        out.append(f"{'yes' if pairs[0] <= 1.02 else 'NO'} ({pairs[0]:.3f})")
+    elif pairs:
+        sys.path.insert(0, os.path.join(ROOT, "tools", "analysis"))
+        import steptime_pairs
+
+        geo, (low, high) = steptime_pairs.ratio_interval(pairs)
+        out.append(f"{steptime_pairs.verdict((low, high))} ({geo:.3f}, 95% {low:.3f}-{high:.3f}, {len(pairs)} pairs)")
     else:
         out.append("-")
     return out

@@ -436,6 +436,32 @@ class Report(unittest.TestCase):
             if line.startswith("|"):
                 self.assertEqual(line.count("|"), header.count("|"), line)
 
+    def test_repeated_runs_show_the_largest_peak_and_the_pairs_verdict(self):
+        results = []
+        for (model, g_steps, d_steps) in (("opt1.3b", (0.30, 0.31), (0.30, 0.30)), ("llama1b", (0.200, 0.201), (0.25, 0.25))):
+            for round_ in range(2):
+                for allocator, reserved, step in (("default", 12, d_steps[round_]), ("expandable", 12, 0.3),
+                                                  ("glake", 10 + round_, g_steps[round_])):
+                    results.append(dict(model=model, strategy="R", allocator=allocator, status="ok", round=round_,
+                                        peak_active_bytes=9.5 * GB, peak_reserved_bytes=reserved * GB,
+                                        utilization=9.5 / reserved, median_step_s=step))
+        results.append(dict(model="llama1b", strategy="R", allocator="glake", status="oom", peak_reserved_bytes=70 * GB))
+        lines = finetune.markdown(results, "cmd").splitlines()
+        rows = {line.split(" | ")[0][2:]: line for line in lines if line.startswith("| ") and not line.startswith("| workload")}
+        cells = rows["opt1.3b R"].strip("| ").split(" | ")
+        header = next(line for line in lines if line.startswith("| workload")).strip("| ").split(" | ")
+        cell = dict(zip(header, cells))
+        self.assertEqual(cell["glake: reserved GB"], "11.00")  # the larger of 10 and 11, not the last
+        self.assertEqual(cell["glake: util"], f"{9.5 / 11:.3f}")  # of that run
+        self.assertEqual(cell["glake: step s"], "0.305 (2 runs)")
+        self.assertEqual(cell["default: step s"], "0.300 (2 runs)")
+        self.assertEqual(cell["reserved ≤ expandable"], f"yes ({11 / 12:.3f})")
+        self.assertTrue(cell["step ≤ 1.02× default"].startswith("open (1.017, 95% "), cell["step ≤ 1.02× default"])
+        self.assertTrue(cell["step ≤ 1.02× default"].endswith(", 2 pairs)"))
+        cell = dict(zip(header, rows["llama1b R"].strip("| ").split(" | ")))
+        self.assertEqual(cell["glake: reserved GB"], "11.00")  # the OOM run's 70 GB is not shown
+        self.assertTrue(cell["step ≤ 1.02× default"].startswith("met (0.802, 95% "), cell["step ≤ 1.02× default"])
+
     def test_sequence_lengths_and_median(self):
         lengths = finetune.sequence_lengths(14)
         self.assertEqual(lengths, finetune.sequence_lengths(14))  # every allocator sees the same
