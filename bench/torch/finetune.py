@@ -110,7 +110,10 @@ def host_probe(torch, device, tensor):
     """Returns a function timing four kinds of host work, in seconds: `python` (the interpreter
     alone), `dispatch` (view and detach of `tensor`, a model parameter: PyTorch's dispatcher and
     autograd, no kernel), `launch` (empty kernels queued with torch.cuda._sleep(0)) and `memcpy`
-    (a 32 MiB copy between host tensors made here, once); and `cpu`, the CPU the thread ran on."""
+    (a 32 MiB copy between host tensors made here, once); and `cpu`, the CPU the thread ran on.
+    Under FSDP the parameter is a DTensor: its local shard is used, so no collective runs."""
+    if hasattr(tensor, "to_local"):
+        tensor = tensor.to_local()
     source = torch.ones(8 << 20, dtype=torch.float32)
     target = torch.empty_like(source)
 
@@ -747,6 +750,16 @@ def markdown(results, command):
     return "\n".join(lines) + "\n"
 
 
+def analysis_module(name):
+    """A module of tools/analysis (shared with this script's reports), imported once."""
+    directory = os.path.join(ROOT, "tools", "analysis")
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    import importlib
+
+    return importlib.import_module(name)
+
+
 def check_targets(by):
     """The three target cells of one row; `by` maps an allocator to its runs of the workload."""
     def good(r):
@@ -764,9 +777,7 @@ def check_targets(by):
     if len(pairs) == 1:
         out.append(f"{'yes' if pairs[0] <= 1.02 else 'NO'} ({pairs[0]:.3f})")
     elif pairs:
-        sys.path.insert(0, os.path.join(ROOT, "tools", "analysis"))
-        import steptime_pairs
-
+        steptime_pairs = analysis_module("steptime_pairs")
         geo, (low, high) = steptime_pairs.ratio_interval(pairs)
         out.append(f"{steptime_pairs.verdict((low, high))} ({geo:.3f}, 95% {low:.3f}-{high:.3f}, {len(pairs)} pairs)")
     else:

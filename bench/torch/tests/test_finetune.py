@@ -271,6 +271,37 @@ class Child(unittest.TestCase):
         code, r = self.run_child("default", strategy="N", steps=2)
         self.assertNotIn("step_probe_s", r)  # off unless asked for
 
+    def test_host_probe_uses_the_local_shard_of_a_distributed_parameter(self):
+        calls = []
+
+        class Shard:
+            def view(self, *shape):
+                calls.append("view")
+                return self
+
+            def detach(self):
+                return self
+
+        class Distributed:  # a DTensor's face: to_local, and no view of its own
+            def to_local(self):
+                calls.append("to_local")
+                return Shard()
+
+        before = set(sys.modules)
+        self.addCleanup(lambda: [sys.modules.pop(m) for m in set(sys.modules) - before])
+        sys.path.insert(0, FAKES)
+        try:
+            import torch as fake_torch
+        finally:
+            sys.path.remove(FAKES)
+        if getattr(fake_torch, "__version__", "") != "0.0-fake":
+            self.skipTest("a real torch is importable here")
+        probe = finetune.host_probe(fake_torch, 0, Distributed())
+        times = probe()
+        self.assertEqual(calls[0], "to_local")
+        self.assertEqual(calls.count("view"), finetune.PROBE_LOOPS)
+        self.assertEqual(sorted(times), ["cpu", "dispatch", "launch", "memcpy", "python"])
+
     def test_profiled_steps_come_after_the_measured_ones_and_leave_traces(self):
         with tempfile.TemporaryDirectory() as directory:
             code, r = self.run_child("default", strategy="N", steps=5,
