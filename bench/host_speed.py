@@ -19,23 +19,14 @@ import multiprocessing
 import os
 import statistics
 import subprocess
+import sys
 import time
 
-LOOPS = 10000
-SLOW_MS = 0.5  # between the fast (~0.38 ms) and slow (~0.72 ms) modes seen on the H100 machines
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch"))
+# The loop finetune.py --host-probe times after every step, and the CPU a thread ran on.
+from finetune import current_cpu, python_loop_seconds as loop  # noqa: E402
 
-
-def loop():
-    t = time.perf_counter()
-    total = 0
-    for i in range(LOOPS):
-        total += i & 7
-    return time.perf_counter() - t
-
-
-def current_cpu():
-    with open("/proc/thread-self/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[36])
+SLOW_MS = 0.5  # between the fast (~0.38 ms) and slow (~0.70 ms) modes seen on the H100 machines
 
 
 def show(command):

@@ -106,6 +106,16 @@ def steal_jiffies(path="/proc/stat"):
 PROBE_LOOPS = 400
 
 
+def python_loop_seconds(n=PROBE_LOOPS * 25):
+    """Seconds a fixed interpreter loop of `n` iterations takes: the probe's `python` part, and
+    the loop bench/host_speed.py times on each CPU."""
+    t0 = time.perf_counter()
+    total = 0
+    for i in range(n):
+        total += i & 7
+    return time.perf_counter() - t0
+
+
 def host_probe(torch, device, tensor):
     """Returns a function timing four kinds of host work, in seconds: `python` (the interpreter
     alone), `dispatch` (view and detach of `tensor`, a model parameter: PyTorch's dispatcher and
@@ -119,10 +129,7 @@ def host_probe(torch, device, tensor):
 
     def probe():
         torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        total = 0
-        for i in range(PROBE_LOOPS * 25):
-            total += i & 7
+        python = python_loop_seconds()
         t1 = time.perf_counter()
         cpu = current_cpu()
         for _ in range(PROBE_LOOPS):
@@ -135,7 +142,7 @@ def host_probe(torch, device, tensor):
         t4 = time.perf_counter()
         target.copy_(source)
         t5 = time.perf_counter()
-        return dict(python=t1 - t0, dispatch=t2 - t1, launch=t3 - t2, memcpy=t5 - t4, cpu=cpu)
+        return dict(python=python, dispatch=t2 - t1, launch=t3 - t2, memcpy=t5 - t4, cpu=cpu)
 
     return probe
 
