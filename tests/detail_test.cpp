@@ -2,15 +2,12 @@
 #include <doctest/doctest.h>
 
 #include <cstdint>
-#include <random>
 #include <stdexcept>
 #include <string>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include "glake/backends/sim.hpp"
-#include "glake/detail/address_index.hpp"
 #include "glake/detail/block_arena.hpp"
 #include "glake/detail/node_pool.hpp"
 #include "glake/detail/vmm_backend.hpp"
@@ -57,59 +54,6 @@ TEST_CASE("node_pool: a throwing constructor gives its node back") {
   CHECK(t->payload[3] == 4);
   pool.destroy(t);
   CHECK(tracked::alive == 0);
-}
-
-TEST_CASE("address_index: agrees with std::unordered_map through growth, collisions and erasure") {
-  glake::detail::address_index<int> index;
-  std::unordered_map<std::uintptr_t, int*> model;
-  std::vector<int> values(4096);
-  std::mt19937_64 rng(7);
-  // Keys from a small aligned range, so that probe runs are long and erasures shift them back
-  // across the table's end.
-  const auto key = [&] { return (1 + rng() % 3000) * 512; };
-  for (int step = 0; step < 200000; ++step) {
-    const std::uintptr_t k = key();
-    int* v = &values[k / 512 % values.size()];
-    if (rng() % 3 != 0 && !model.contains(k)) {
-      index.insert(k, v);
-      model.emplace(k, v);
-    } else {
-      CHECK(index.erase(k) == (model.erase(k) == 1));
-    }
-    if (step % 4999 == 0) {
-      REQUIRE(index.size() == model.size());
-      for (std::uintptr_t probe = 512; probe <= 3001 * 512; probe += 512) {
-        const auto it = model.find(probe);
-        REQUIRE(index.find(probe) == (it == model.end() ? nullptr : it->second));
-      }
-    }
-  }
-  index.clear();
-  CHECK(index.size() == 0);
-  CHECK(index.find(512) == nullptr);
-  CHECK_FALSE(index.erase(512));
-}
-
-TEST_CASE("block_arena: find_live answers for taken blocks only, and follows take and give_back") {
-  glake::detail::block_arena<fake_segment> arena;
-  fake_segment a;
-  const glake::stream_ref s0{0};
-  arena.add_segment(&a, 0x10000, 1000, s0);
-  CHECK(arena.find_live(0x10000) == nullptr);  // free blocks are not live
-  CHECK(arena.find(0x10000) != nullptr);
-  auto* first = arena.take(arena.best_fit(s0, 100), 100);
-  auto* second = arena.take(arena.best_fit(s0, 200), 200);
-  CHECK(arena.find_live(0x10000) == first);
-  CHECK(arena.find_live(0x10000 + 100) == second);
-  CHECK(arena.find_live(0x10000 + 300) == nullptr);  // the free tail
-  CHECK(arena.live_blocks() == 2);
-  arena.give_back(first);
-  CHECK(arena.find_live(0x10000) == nullptr);
-  CHECK(arena.find_live(0x10000 + 100) == second);
-  arena.give_back(second);
-  CHECK(arena.live_blocks() == 0);
-  CHECK(arena.find_live(0x10000 + 100) == nullptr);
-  CHECK(arena.blocks() == 1);
 }
 
 TEST_CASE("block_arena: best fit, split, carve and coalesce") {

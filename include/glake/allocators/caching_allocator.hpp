@@ -118,7 +118,8 @@ class caching_allocator {
   /// True when `p` is the start of a live block of this allocator.
   bool owns(const void* p) const {
     std::lock_guard guard(lock_);
-    return arena_.find_live(reinterpret_cast<std::uintptr_t>(p)) != nullptr;
+    const block_type* b = const_cast<arena_type&>(arena_).find(reinterpret_cast<std::uintptr_t>(p));
+    return b != nullptr && !b->free;
   }
 
   /// Physical bytes held now (what stats().reserved_bytes says, without copying the rest).
@@ -153,8 +154,8 @@ class caching_allocator {
   void* allocate_unlocked(std::size_t bytes, stream_ref stream) { return allocate_locked(bytes, stream); }
   /// False when `p` is not a live block of this allocator (nothing changed then).
   bool deallocate_if_owned(void* p, std::size_t bytes, stream_ref) {
-    block_type* b = arena_.find_live(reinterpret_cast<std::uintptr_t>(p));
-    if (b == nullptr) return false;
+    block_type* b = arena_.find(reinterpret_cast<std::uintptr_t>(p));
+    if (b == nullptr || b->free) return false;
     release_block(b, p, bytes);
     return true;
   }
@@ -171,8 +172,8 @@ class caching_allocator {
   }
   /// What the caller asked for when `p` was allocated; 0 when `p` is not live here.
   std::size_t requested_of(const void* p) noexcept {
-    const block_type* b = arena_.find_live(reinterpret_cast<std::uintptr_t>(p));
-    return b != nullptr ? b->requested : 0;
+    const block_type* b = arena_.find(reinterpret_cast<std::uintptr_t>(p));
+    return b != nullptr && !b->free ? b->requested : 0;
   }
 
   /// True when `p` points into a free block (a double free looks like this).
@@ -210,8 +211,8 @@ class caching_allocator {
   void deallocate_locked(void* p, std::size_t bytes, stream_ref) {
     if (p == nullptr) return;
     const auto address = reinterpret_cast<std::uintptr_t>(p);
-    block_type* b = arena_.find_live(address);
-    if (b == nullptr) {
+    block_type* b = arena_.find(address);
+    if (b == nullptr || b->free) {
       const block_type* c = arena_.containing(address);
       detail::throw_not_live("glake::caching_allocator", p, c != nullptr && c->free);
     }

@@ -311,7 +311,8 @@ class stitching_allocator {
  private:
   bool owns_unlocked(const void* p) const {
     const auto address = reinterpret_cast<std::uintptr_t>(p);
-    if (const block_type* b = arena_.find_live(address); b != nullptr && b->owner == nullptr) {
+    auto& self = const_cast<stitching_allocator&>(*this);
+    if (const block_type* b = self.arena_.find(address); b != nullptr && !b->free && b->owner == nullptr) {
       return true;
     }
     auto it = stitch_by_address_.find(address, stitch_by_address{});
@@ -983,7 +984,7 @@ class stitching_allocator {
   }
 
   void return_from_small(typename small_source::lease_type& lease) noexcept {
-    block_type* b = arena_.find_live(lease.base);
+    block_type* b = arena_.find(lease.base);
     enter_free_queue(arena_.give_back(b, mark_free(b->stream)));
   }
 
@@ -1084,7 +1085,7 @@ class stitching_allocator {
 
   std::size_t requested_of(const void* p) {
     const auto address = reinterpret_cast<std::uintptr_t>(p);
-    if (const block_type* b = arena_.find_live(address); b != nullptr && b->owner == nullptr) return b->requested;
+    if (const block_type* b = arena_.find(address); b != nullptr && !b->free && b->owner == nullptr) return b->requested;
     auto it = stitch_by_address_.find(address, stitch_by_address{});
     if (it != stitch_by_address_.end() && it->live) return it->requested;
     return small_.requested_of(p);
@@ -1099,7 +1100,7 @@ class stitching_allocator {
         return;
       }
     }
-    if (block_type* b = arena_.find_live(address); b != nullptr && b->owner == nullptr) {
+    if (block_type* b = arena_.find(address); b != nullptr && !b->free && b->owner == nullptr) {
 #if GLAKE_CHECKED
       if (b->requested != bytes) detail::throw_size_mismatch(name, p, bytes, b->requested);
 #endif

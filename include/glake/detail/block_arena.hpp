@@ -10,42 +10,33 @@
 
 #include <boost/intrusive/set.hpp>
 
-#include "glake/detail/address_index.hpp"
 #include "glake/detail/node_pool.hpp"
 #include "glake/stream.hpp"
 
 namespace glake::detail {
 
-// Hooks keep the red-black colour in the parent pointer's low bit (24 bytes, not 32), so that a
-// block's size-index hook and the fields the size order compares share one cache line.
+struct by_size_tag;
+struct by_address_tag;
 using by_size_hook =
-    boost::intrusive::set_member_hook<boost::intrusive::link_mode<boost::intrusive::normal_link>,
-                                      boost::intrusive::optimize_size<true>>;
+    boost::intrusive::set_base_hook<boost::intrusive::tag<by_size_tag>,
+                                    boost::intrusive::link_mode<boost::intrusive::normal_link>>;
 using by_address_hook =
-    boost::intrusive::set_member_hook<boost::intrusive::link_mode<boost::intrusive::normal_link>,
-                                      boost::intrusive::optimize_size<true>>;
+    boost::intrusive::set_base_hook<boost::intrusive::tag<by_address_tag>,
+                                    boost::intrusive::link_mode<boost::intrusive::normal_link>>;
 
 /// A contiguous piece of a segment: free, or handed out. Descriptors live on the host in a node
 /// pool, never inside the memory they describe.
-///
-/// Layout: two cache lines. The first holds what a walk down the free index and a merge with a
-/// neighbour read (the size hook, stream, size, address, segment, free); the second what only
-/// the block's own allocation and free touch. Allocator calls come between the caller's own
-/// work, so these lines are usually cold, and each one a walk touches is a miss.
 template <class Segment>
-struct alignas(64) block {
-  by_size_hook size_hook;
-  stream_ref stream{};
-  std::size_t size = 0;
+struct block : by_size_hook, by_address_hook {
   std::uintptr_t address = 0;
+  std::size_t size = 0;
   Segment* segment = nullptr;
-  bool free = true;
-
-  by_address_hook address_hook;
+  stream_ref stream{};
   std::size_t requested = 0;  ///< what the caller asked for, while the block is live
   void* owner = nullptr;      ///< who holds a live block when it is not the caller directly
   std::uint64_t free_mark = 0;  ///< while free: the owner's mark for the work queued on `stream`
                                 ///< before the free (0: none); merged blocks keep the latest
+  bool free = true;
 
   std::uintptr_t end() const noexcept { return address + size; }
 };
@@ -56,13 +47,10 @@ struct alignas(64) block {
 /// gives neighbours for coalescing and the block containing an address. Splits happen at
 /// positions the caller chooses; freed blocks merge with free neighbours of the same segment and
 /// stream. A free block may move to another stream (`restream`), so one segment can hold free
-/// blocks of several streams side by side. Live blocks are also kept in a hash index by address
-/// (`find_live`): that is what a free asks, and it costs a line or two where the tree's walk
-/// costs a cold line per level.
+/// blocks of several streams side by side.
 ///
-/// Complexity: O(log n) per operation, O(1) expected for `find_live`; no heap allocation once the
-/// node pool and the index are warm (callers that need a no-throw sequence call `reserve_nodes`
-/// first).
+/// Complexity: O(log n) per operation, no heap allocation once the node pool is warm (callers
+/// that need a no-throw sequence call `reserve_nodes` first).
 /// Thread safety: none; the owning allocator serialises access.
 template <class Segment>
 class block_arena {
@@ -100,13 +88,11 @@ class block_arena {
     bool operator()(const block_type& a, std::uintptr_t b) const noexcept { return a.address < b; }
   };
   using free_set =
-      boost::intrusive::multiset<block_type,
-                                 boost::intrusive::member_hook<block_type, by_size_hook, &block_type::size_hook>,
+      boost::intrusive::multiset<block_type, boost::intrusive::base_hook<by_size_hook>,
                                  boost::intrusive::compare<size_order>,
                                  boost::intrusive::constant_time_size<true>>;
   using address_set =
-      boost::intrusive::set<block_type,
-                            boost::intrusive::member_hook<block_type, by_address_hook, &block_type::address_hook>,
+      boost::intrusive::set<block_type, boost::intrusive::base_hook<by_address_hook>,
                             boost::intrusive::compare<address_order>,
                             boost::intrusive::constant_time_size<true>>;
 
@@ -116,11 +102,8 @@ class block_arena {
   block_arena& operator=(const block_arena&) = delete;
   ~block_arena() { clear(); }
 
-  /// Makes the next `count` splits, segments added or blocks taken unable to throw.
-  void reserve_nodes(std::size_t count) {
-    nodes_.reserve(count);
-    live_.reserve(count);
-  }
+  /// Makes the next `count` splits (or segments added) unable to throw.
+  void reserve_nodes(std::size_t count) { nodes_.reserve(count); }
 
   /// Adds a segment as one free block; returns it.
   block_type* add_segment(Segment* segment, std::uintptr_t base, std::size_t size, stream_ref stream) {
@@ -183,11 +166,9 @@ class block_arena {
   /// is split off as a new free block. Needs one node when it splits.
   block_type* take(block_type* b, std::size_t keep) {
     const bool split = keep < b->size;
-    if (split) nodes_.reserve(1);  // the only steps that can throw, before anything changes
-    live_.reserve(1);
+    if (split) nodes_.reserve(1);  // the only step that can throw, before anything changes
     erase_free(b);                 // first, so that the split does not re-index `b` for nothing
     if (split) split_off_tail(b, keep);
-    live_.insert(b->address, b);
     return b;
   }
 
@@ -205,7 +186,6 @@ class block_arena {
   /// stream, marked `mark` (see `free_mark`). Returns the resulting free block (which may start
   /// before `b`).
   block_type* give_back(block_type* b, std::uint64_t mark = 0) noexcept {
-    live_.erase(b->address);
     b->free = true;
     b->requested = 0;
     b->owner = nullptr;
@@ -223,10 +203,7 @@ class block_arena {
     return merge_and_index(b);
   }
 
-  /// The live (taken) block that starts exactly at `address`, or null. The fast question.
-  block_type* find_live(std::uintptr_t address) const noexcept { return live_.find(address); }
-
-  /// The block, free or live, that starts exactly at `address`, or null.
+  /// The block that starts exactly at `address`, or null.
   block_type* find(std::uintptr_t address) noexcept {
     auto it = by_address_.find(address, address_order{});
     return it == by_address_.end() ? nullptr : &*it;
@@ -252,7 +229,6 @@ class block_arena {
   std::size_t free_bytes() const noexcept { return free_bytes_; }
   std::size_t free_blocks() const noexcept { return free_.size(); }
   std::size_t blocks() const noexcept { return by_address_.size(); }
-  std::size_t live_blocks() const noexcept { return live_.size(); }
   std::uint64_t splits() const noexcept { return splits_; }
   std::uint64_t merges() const noexcept { return merges_; }
 
@@ -266,13 +242,11 @@ class block_arena {
   }
   /// Checks what every owner relies on: each segment's blocks tile [base, base + size) with no
   /// gap (`extent(segment)` gives {base, size}), every free block is indexed where its key says,
-  /// every live block (and nothing else) is in the live index, and no two free neighbours of a
-  /// segment and stream are left unmerged. Calls `fail(what)`, which must
+  /// and no two free neighbours of a segment and stream are left unmerged. Calls `fail(what)`, which must
   /// throw, on the first breach, and `visit(block)` on every block for the owner's own checks.
   template <class Extent, class Fail, class Visit>
   void check_tiling(Extent&& extent, Fail&& fail, Visit&& visit) const {
     const block_type* previous = nullptr;
-    std::size_t live = 0;
     const auto reaches_end = [&](const block_type* b) {
       const auto [base, size] = extent(*b->segment);
       return b->end() == base + size;
@@ -283,12 +257,7 @@ class block_arena {
       } else if (previous == nullptr || previous->segment != b.segment || previous->end() != b.address) {
         fail("a segment's blocks are not contiguous");
       }
-      if (!b.free) {
-        ++live;
-        if (live_.find(b.address) != &b) fail("live block not in the live index");
-      }
       if (b.free) {
-        if (live_.find(b.address) != nullptr) fail("free block left in the live index");
         if (!indexed_as_free(b)) fail("free block not in the best-fit index");
         if (previous != nullptr && previous->free && previous->segment == b.segment &&
             previous->stream == b.stream) {
@@ -299,7 +268,6 @@ class block_arena {
       previous = &b;
     }
     if (previous != nullptr && !reaches_end(previous)) fail("the last segment's blocks do not reach its end");
-    if (live != live_.size()) fail("the live index holds blocks the arena does not");
   }
 
   /// True when `b` is indexed as free exactly where its key says.
@@ -383,7 +351,6 @@ class block_arena {
   }
 
   void clear() noexcept {
-    live_.clear();
     free_.clear();
     by_address_.clear_and_dispose([this](block_type* b) { nodes_.destroy(b); });
   }
@@ -391,7 +358,6 @@ class block_arena {
   node_pool<block_type> nodes_;
   free_set free_;
   address_set by_address_;
-  address_index<block_type> live_;
   std::size_t free_bytes_ = 0;
   std::uint64_t splits_ = 0;
   std::uint64_t merges_ = 0;
