@@ -7,6 +7,8 @@
 #   bench/torch/build_plugin.sh [OUT]        default OUT: build/torch/libglake_torch.so
 #   bench/torch/build_plugin.sh --size-cache   the control allocator of finetune.py's `sizecache`
 #                                              runs instead: build/torch/libsize_cache.so
+#   bench/torch/build_plugin.sh --allocator-timing   finetune.py --allocator-timing's instrument:
+#                                              build/torch/libglake_allocator_timing.so (needs torch)
 #
 # CUDA_HOME (default /usr/local/cuda) and CXX (default g++) are honoured.
 set -euo pipefail
@@ -18,6 +20,19 @@ if [[ ${1:-} == --size-cache ]]; then
   "$cxx" -std=c++17 -O2 -shared -fPIC -Wall -Wextra -isystem "$cuda/include" bench/torch/size_cache_allocator.cpp \
     -L"$cuda/lib64" -L"$cuda/lib" -lcudart -o build/torch/libsize_cache.so
   echo "built build/torch/libsize_cache.so"
+  exit 0
+fi
+if [[ ${1:-} == --allocator-timing ]]; then
+  # Against the torch that python3 imports: its headers, its libc10*, its C++ ABI. The same
+  # private-runtime flags as the plug-in below.
+  torch_dir=$(python3 -c "import os, torch; print(os.path.dirname(torch.__file__))")
+  abi=$(python3 -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))")
+  mkdir -p build/torch
+  "$cxx" -std=c++17 -O2 -shared -fPIC -fvisibility=hidden -Wall -Wextra -D_GLIBCXX_USE_CXX11_ABI="$abi" \
+    -isystem "$torch_dir/include" -isystem "$cuda/include" bench/torch/allocator_timing.cpp \
+    -L"$torch_dir/lib" -lc10 -lc10_cuda -L"$cuda/lib64" -L"$cuda/lib" -lcudart -Wl,-rpath,"$torch_dir/lib" \
+    -Wl,--exclude-libs,ALL -Wl,-Bsymbolic -o build/torch/libglake_allocator_timing.so
+  echo "built build/torch/libglake_allocator_timing.so"
   exit 0
 fi
 out=${1:-build/torch/libglake_torch.so}

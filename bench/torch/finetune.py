@@ -63,6 +63,8 @@ ALLOCATORS = ("default", "expandable", "glake")
 # near-free allocator (bench/torch/size_cache_allocator.cpp), to price the path apart from glake.
 CONTROL_ALLOCATORS = ("sizecache",)
 SIZE_CACHE_LIBRARY = os.path.join(ROOT, "build", "torch", "libsize_cache.so")
+# --allocator-timing: bench/torch/allocator_timing.cpp, built by build_plugin.sh --allocator-timing.
+ALLOCATOR_TIMING_LIBRARY = os.path.join(ROOT, "build", "torch", "libglake_allocator_timing.so")
 STRATEGIES = ("N", "R", "LR", "LO")
 # Shapes of the public checkpoints, random weights; `kind` picks the config class (CONFIG_CLASSES).
 MODELS = {
@@ -114,6 +116,26 @@ def python_loop_seconds(n=PROBE_LOOPS * 25):
     for i in range(n):
         total += i & 7
     return time.perf_counter() - t0
+
+
+def allocator_timing(path):
+    """Wraps the CUDA allocator now installed (PyTorch's, or glake's pluggable one) in the timing
+    allocator of bench/torch/allocator_timing.cpp. Call after `import torch` (and glake's enable)
+    and before the first CUDA allocation. Returns a function giving the totals so far:
+    {"alloc_ns", "alloc_calls", "free_ns", "free_calls", "untimed"}."""
+    import ctypes
+
+    lib = ctypes.CDLL(path)
+    code = lib.glake_timing_install()
+    if code != 0:
+        raise RuntimeError(f"allocator timing: glake_timing_install() returned {code}")
+    values = (ctypes.c_uint64 * 5)()
+
+    def read():
+        lib.glake_timing_read(values)
+        return dict(zip(("alloc_ns", "alloc_calls", "free_ns", "free_calls", "untimed"), values))
+
+    return read
 
 
 def host_probe(torch, device, tensor):
@@ -234,6 +256,11 @@ def run_training(args, result, device):
         size_cache = ctypes.CDLL(path)
         torch.cuda.memory.change_current_allocator(torch.cuda.memory.CUDAPluggableAllocator(path, "sc_malloc", "sc_free"))
         result["size_cache_library"] = path
+    timing = None
+    if args.allocator_timing:
+        path = os.environ.get("GLAKE_ALLOCATOR_TIMING_LIBRARY", ALLOCATOR_TIMING_LIBRARY)
+        timing = allocator_timing(path)
+        result["allocator_timing_library"] = path
 
     import transformers
     from transformers import AutoModelForCausalLM
@@ -304,6 +331,10 @@ def run_training(args, result, device):
     step_calls, step_stitches, step_repairs, step_grows, step_host_ms = [], [], [], [], []
     last = glake.stats(device) if glake is not None else None
     last_host = glake.host_time() if glake is not None else None
+    # --allocator-timing: host time inside the allocator's calls (allocations and frees) per step
+    # and their number, for whichever allocator runs.
+    step_timed_ms, step_timed_calls = [], []
+    last_timed = timing() if timing is not None else None
     # Time in Python's cyclic garbage collector during each step: a pause of the host thread that
     # launches the step's kernels, whichever allocator runs.
     gc_seconds, gc_started, step_gc_ms = [0.0], [None], []
@@ -358,6 +389,11 @@ def run_training(args, result, device):
             step_gc_ms.append(round((gc_seconds[0] - gc_before) * 1000, 3))
             if args.gc_outside_steps:
                 gc.enable()
+            if timing is not None:
+                now = timing()
+                step_timed_ms.append(round((now["alloc_ns"] + now["free_ns"] - last_timed["alloc_ns"] - last_timed["free_ns"]) / 1e6, 3))
+                step_timed_calls.append(now["alloc_calls"] + now["free_calls"] - last_timed["alloc_calls"] - last_timed["free_calls"])
+                last_timed = now
             if glake is not None:
                 now = glake.stats(device)
                 step_calls.append(now["driver_calls"] - last["driver_calls"])
@@ -395,6 +431,9 @@ def run_training(args, result, device):
                           step_stitch_grows=step_grows)
             if last_host is not None:
                 result["step_allocator_host_ms"] = step_host_ms
+        if timing is not None:
+            result.update(step_allocator_ms=step_timed_ms, step_allocator_calls=step_timed_calls,
+                          allocator_timing_untimed=timing()["untimed"])
         if probes:
             result["step_probe_s"] = probes
         if losses:
@@ -551,6 +590,8 @@ def drive(args, driver_command):
             common.append("--gc-outside-steps")
         if args.host_probe:
             common.append("--host-probe")
+        if args.allocator_timing:
+            common.append("--allocator-timing")
         if args.cpus:
             common += ["--cpus", ",".join(map(str, args.cpus))]
         if args.profile_steps:
@@ -806,6 +847,10 @@ def parse(argv):
     parser.add_argument("--steps", type=int, default=14, help="training steps (default 14; step time is the median of 3..N)")
     parser.add_argument("--glake-host-timing", action="store_true",
                         help="glake runs also report the host time spent in glake's calls per step (GLAKE_HOST_TIMING=1)")
+    parser.add_argument("--allocator-timing", action="store_true",
+                        help="every run wraps its CUDA allocator (PyTorch's, or glake behind the pluggable interface) in "
+                        "bench/torch/allocator_timing.cpp and reports the host time in its calls per step "
+                        "(step_allocator_ms, step_allocator_calls); build it with build_plugin.sh --allocator-timing")
     parser.add_argument("--repeat", type=int, default=1, help="rounds of every run, allocator order reversed in odd rounds (default 1)")
     parser.add_argument("--out", help="append one JSON object per run (per rank) to this file")
     parser.add_argument("--markdown", help="write the results table (with the target checks) to this file")

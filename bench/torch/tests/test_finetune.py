@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -83,6 +84,15 @@ class Driver(unittest.TestCase):
         children = FakeChildren(numbers)
         self.run_driver(["--models", "opt1.3b", "--strategies", "N"], children)
         self.assertFalse(any("--host-probe" in command for command, _ in children.calls))
+
+    def test_allocator_timing_reaches_every_child(self):
+        children = FakeChildren(numbers)
+        self.run_driver(["--models", "opt1.3b", "--strategies", "N", "--allocator-timing"], children)
+        self.assertEqual(len(children.calls), 3)
+        self.assertTrue(all("--allocator-timing" in command for command, _ in children.calls))
+        children = FakeChildren(numbers)
+        self.run_driver(["--models", "opt1.3b", "--strategies", "N"], children)
+        self.assertFalse(any("--allocator-timing" in command for command, _ in children.calls))
 
     def test_profile_steps_reach_the_children(self):
         children = FakeChildren(numbers)
@@ -354,6 +364,34 @@ class Child(unittest.TestCase):
                 finetune.parse(["--profile-steps", "a", "--log-dir", "x"])
         args = finetune.parse(["--profile-steps", "3,7", "--log-dir", "logs"])
         self.assertEqual((args.profile_steps, args.profile_dir), ([3, 7], os.path.abspath("logs")))
+
+    @unittest.skipUnless(shutil.which("cc"), "needs a C compiler for the fake timing library")
+    def test_allocator_timing_reports_each_steps_time_and_calls(self):
+        # A stand-in for allocator_timing.cpp whose totals grow by 1 ms + 0.5 ms over 10 + 10 calls
+        # at every read: the child reads once before the steps and once after each.
+        with tempfile.TemporaryDirectory() as directory:
+            source, library = os.path.join(directory, "timing.c"), os.path.join(directory, "libtiming.so")
+            with open(source, "w") as f:
+                f.write("#include <stdint.h>\n"
+                        "int glake_timing_install(void) { return 0; }\n"
+                        "void glake_timing_read(uint64_t* out) {\n"
+                        "  static uint64_t n = 0; ++n;\n"
+                        "  out[0] = n * 1000000; out[1] = n * 10; out[2] = n * 500000; out[3] = n * 10; out[4] = 7;\n"
+                        "}\n")
+            subprocess.run(["cc", "-shared", "-fPIC", source, "-o", library], check=True)
+            code, r = self.run_child("default", strategy="N", steps=3, extra=["--allocator-timing"],
+                                     GLAKE_ALLOCATOR_TIMING_LIBRARY=library)
+        self.assertEqual((code, r["status"]), (0, "ok"), r.get("error"))
+        self.assertEqual(r["step_allocator_ms"], [1.5, 1.5, 1.5])
+        self.assertEqual(r["step_allocator_calls"], [20, 20, 20])
+        self.assertEqual(r["allocator_timing_untimed"], 7)
+        self.assertEqual(r["allocator_timing_library"], library)
+        code, r = self.run_child("default", strategy="N", steps=2)
+        self.assertNotIn("step_allocator_ms", r)  # off unless asked for
+        code, r = self.run_child("default", strategy="N", steps=2, extra=["--allocator-timing"],
+                                 GLAKE_ALLOCATOR_TIMING_LIBRARY="/nonexistent/libtiming.so")
+        self.assertEqual((code, r["status"]), (1, "error"))  # a missing instrument stops the run
+        self.assertIn("libtiming.so", r["error"])
 
     def test_size_cache_control_is_chosen_by_name_only(self):
         self.assertNotIn("sizecache", finetune.parse([]).allocators)

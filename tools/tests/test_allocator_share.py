@@ -1,0 +1,81 @@
+"""Tests for tools/analysis/allocator_share.py on hand-made runs (no torch needed)."""
+import io
+import json
+import os
+import sys
+import tempfile
+import unittest
+from contextlib import redirect_stdout
+
+TOOLS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(TOOLS, "analysis"))
+import allocator_share  # noqa: E402
+
+LENGTHS = [512, 100, 200, 900, 300, 600]
+# Steps 1-2 are left out. Default: steps 3-6 take 0.2, 0.4, 0.3, 0.5 s, 1% of each in the
+# allocator. glake: 1% too, except step 5, where it maps new memory: 10%.
+DEFAULT = dict(model="opt1.3b", strategy="LR", allocator="default", status="ok", rank=0, seq_lengths=LENGTHS,
+               step_times_s=[1.0, 0.5, 0.2, 0.4, 0.3, 0.5], step_allocator_ms=[50.0, 9.0, 2.0, 4.0, 3.0, 5.0],
+               step_allocator_calls=[9000, 3000, 1000, 2000, 1000, 2500])
+GLAKE = dict(DEFAULT, allocator="glake", step_times_s=[1.0, 0.5, 0.25, 0.4, 0.3, 0.5],
+             step_allocator_ms=[90.0, 9.0, 2.5, 4.0, 30.0, 5.0])
+# An untimed default run of the same lengths: another host realisation, where step 5 is the
+# longest, so glake's slow step 5 does not move its median.
+OTHER_HOST = dict(DEFAULT, step_times_s=[1.0, 0.5, 0.3, 0.35, 0.6, 0.5])
+del OTHER_HOST["step_allocator_ms"], OTHER_HOST["step_allocator_calls"]
+
+
+class AllocatorShare(unittest.TestCase):
+    def test_shares_and_cost_per_call_of_one_run(self):
+        shares = allocator_share.step_shares(GLAKE)
+        self.assertEqual(sorted(shares), [2, 3, 4, 5])  # steps 3..6
+        self.assertAlmostEqual(shares[2][0], 0.01)
+        self.assertAlmostEqual(shares[4][0], 0.1)
+        self.assertAlmostEqual(shares[2][1], 2500.0)  # 2.5 ms over 1000 calls
+        self.assertAlmostEqual(shares[4][1], 30000.0)
+
+    def test_runs_are_pooled_by_step(self):
+        second = dict(GLAKE, step_allocator_ms=[90.0, 9.0, 7.5, 4.0, 30.0, 5.0])  # step 3: 3% instead of 1%
+        pooled = allocator_share.pooled([GLAKE, second])
+        self.assertAlmostEqual(pooled[2][0], 0.02)
+        self.assertAlmostEqual(pooled[2][1], (2500.0 + 7500.0) / 2)
+        self.assertAlmostEqual(pooled[4][0], 0.1)
+
+    def test_ratios_and_implied_median_ratio_per_host_realisation(self):
+        c = allocator_share.compare([DEFAULT], [GLAKE], [DEFAULT, OTHER_HOST])
+        self.assertAlmostEqual(c["default_share"], 0.01)
+        self.assertAlmostEqual(c["glake_share"], 0.01)
+        self.assertEqual((c["steps"], c["steps_over"]), (4, 1))
+        self.assertAlmostEqual(c["ratio_median"], 1.0)
+        self.assertAlmostEqual(c["ratio_max"], 0.99 / 0.9)
+        r = 0.99 / 0.9
+        # Timed default run: steps 0.2, 0.4, 0.3, 0.5 -> 0.2, 0.4, 0.3r, 0.5; medians 0.35 and (0.3r + 0.4) / 2.
+        self.assertAlmostEqual(c["implied"][0], (0.3 * r + 0.4) / 2 / 0.35)
+        # Other host: 0.3, 0.35, 0.6, 0.5 -> 0.3, 0.35, 0.6r, 0.5; both medians (0.35 + 0.5) / 2.
+        self.assertAlmostEqual(c["implied"][1], 1.0)
+        self.assertAlmostEqual(c["default_ns_per_call"], 2000.0)  # 2000, 2000, 3000, 2000
+        self.assertAlmostEqual(c["glake_ns_per_call"], 2250.0)  # 2500, 2000, 30000, 2000
+
+    def test_table_uses_same_length_default_runs_as_realisations(self):
+        with tempfile.TemporaryDirectory() as directory:
+            timed, untimed = os.path.join(directory, "timed.jsonl"), os.path.join(directory, "old.jsonl")
+            with open(timed, "w") as f:
+                for r in (DEFAULT, GLAKE, dict(GLAKE, status="oom"), dict(DEFAULT, rank=1)):
+                    f.write(json.dumps(r) + "\n")
+            with open(untimed, "w") as f:
+                for r in (OTHER_HOST, dict(OTHER_HOST, seq_lengths=[1] * 6), dict(OTHER_HOST, fsdp=True),
+                          dict(OTHER_HOST, strategy="N")):
+                    f.write(json.dumps(r) + "\n")
+            out = io.StringIO()
+            with redirect_stdout(out):
+                allocator_share.main([timed, untimed])
+        rows = [line for line in out.getvalue().splitlines() if line.startswith("| ") and "workload" not in line]
+        self.assertEqual(len(rows), 1)  # the N run has no timed pair
+        cells = [c.strip() for c in rows[0].strip("|").split("|")]
+        first = (0.3 * 0.99 / 0.9 + 0.4) / 2 / 0.35
+        self.assertEqual(cells[:2], ["opt1.3b LR", "1, 1"])
+        self.assertEqual(cells[8:], ["1 of 4", "2", f"{(first + 1) / 2:.4f}", f"{first:.4f}", "1"])
+
+
+if __name__ == "__main__":
+    unittest.main()
