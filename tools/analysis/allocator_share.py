@@ -11,7 +11,7 @@ pluggable interface, PyTorch's wrapper included) and times its allocations and f
 A share is a ratio within one process, so the host's speed, which swings by 2x in phases of
 seconds on the lent machines, cancels out of it; a step-time ratio between two processes does not.
 
-Per workload (rank 0, finished runs), over steps 3..N (the steps of the median step time), and
+Per workload (finished runs; under FSDP each rank is a workload of its own), over steps 3..N (the steps of the median step time), and
 per allocator with all its runs pooled by step index: the median share of a step spent in the
 allocator, and its host time per call (median over steps). Then, step by step (the runs see the
 same sequence lengths in the same order):
@@ -98,18 +98,23 @@ def compare(default_runs, glake_runs, realisations=None):
     )
 
 
+def workload(run):
+    """The row a run belongs to: "opt1.3b N", or "opt1.3b N FSDP rank 1" for a rank of an FSDP run."""
+    name = f"{run['model']} {run['strategy']}"
+    return f"{name} FSDP rank {run.get('rank', 0)}" if run.get("fsdp") else name
+
+
 def load(paths):
-    """{(model, strategy): {allocator: [runs]}} of the finished rank-0 single-GPU runs with
-    allocator timing, and {(model, strategy): [runs]} of all finished rank-0 single-GPU default runs
-    (the host realisations)."""
+    """{workload: {allocator: [runs]}} of the finished runs with allocator timing, and
+    {workload: [runs]} of all finished default runs (the host realisations)."""
     workloads, defaults = {}, {}
     for path in paths:
         with open(path) as f:
             for line in f:
                 r = json.loads(line)
-                if r.get("status") != "ok" or r.get("rank", 0) != 0 or r.get("fsdp"):
+                if r.get("status") != "ok":
                     continue
-                key = (r["model"], r["strategy"])
+                key = workload(r)
                 if r.get("allocator") == "default":
                     defaults.setdefault(key, []).append(r)
                 if "step_allocator_ms" in r:
@@ -123,10 +128,10 @@ def main(paths):
           "| host realisations | implied ratio of median steps: median | largest | over 1.02 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     workloads, defaults = load(paths)
-    for (model, strategy), by_allocator in workloads.items():
+    for name, by_allocator in workloads.items():
         timed = by_allocator.get("default", []) + by_allocator.get("glake", [])
         lengths = timed[0].get("seq_lengths") if timed else None
-        same = [r for r in defaults.get((model, strategy), []) if r.get("seq_lengths") == lengths]
+        same = [r for r in defaults.get(name, []) if r.get("seq_lengths") == lengths]
         c = compare(by_allocator.get("default", []), by_allocator.get("glake", []), same)
         if c is None:
             continue
@@ -134,7 +139,7 @@ def main(paths):
         def ns(v):
             return f"{v:.0f}" if v is not None else "-"
 
-        print(f"| {model} {strategy} | {c['runs'][0]}, {c['runs'][1]} | {100 * c['default_share']:.2f}% | "
+        print(f"| {name} | {c['runs'][0]}, {c['runs'][1]} | {100 * c['default_share']:.2f}% | "
               f"{100 * c['glake_share']:.2f}% | {ns(c['default_ns_per_call'])} | {ns(c['glake_ns_per_call'])} | "
               f"{c['ratio_median']:.4f} | {c['ratio_max']:.4f} | {c['steps_over']} of {c['steps']} | "
               f"{len(c['implied'])} | {statistics.median(c['implied']):.4f} | {max(c['implied']):.4f} | "

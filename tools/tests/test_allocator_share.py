@@ -56,11 +56,23 @@ class AllocatorShare(unittest.TestCase):
         self.assertAlmostEqual(c["default_ns_per_call"], 2000.0)  # 2000, 2000, 3000, 2000
         self.assertAlmostEqual(c["glake_ns_per_call"], 2250.0)  # 2500, 2000, 30000, 2000
 
+    def test_each_fsdp_rank_is_a_workload_of_its_own(self):
+        fsdp = [dict(r, fsdp=True, rank=rank) for r in (DEFAULT, GLAKE) for rank in (0, 1)]
+        with tempfile.TemporaryDirectory() as directory:
+            path = os.path.join(directory, "fsdp.jsonl")
+            with open(path, "w") as f:
+                for r in fsdp + [OTHER_HOST]:
+                    f.write(json.dumps(r) + "\n")
+            workloads, defaults = allocator_share.load([path])
+        self.assertEqual(sorted(workloads), ["opt1.3b LR FSDP rank 0", "opt1.3b LR FSDP rank 1"])
+        self.assertEqual(len(defaults["opt1.3b LR FSDP rank 1"]), 1)
+        self.assertEqual(len(defaults["opt1.3b LR"]), 1)  # a single-GPU run is no FSDP realisation
+
     def test_table_uses_same_length_default_runs_as_realisations(self):
         with tempfile.TemporaryDirectory() as directory:
             timed, untimed = os.path.join(directory, "timed.jsonl"), os.path.join(directory, "old.jsonl")
             with open(timed, "w") as f:
-                for r in (DEFAULT, GLAKE, dict(GLAKE, status="oom"), dict(DEFAULT, rank=1)):
+                for r in (DEFAULT, GLAKE, dict(GLAKE, status="oom"), dict(DEFAULT, fsdp=True, rank=1)):
                     f.write(json.dumps(r) + "\n")
             with open(untimed, "w") as f:
                 for r in (OTHER_HOST, dict(OTHER_HOST, seq_lengths=[1] * 6), dict(OTHER_HOST, fsdp=True),
@@ -70,7 +82,7 @@ class AllocatorShare(unittest.TestCase):
             with redirect_stdout(out):
                 allocator_share.main([timed, untimed])
         rows = [line for line in out.getvalue().splitlines() if line.startswith("| ") and "workload" not in line]
-        self.assertEqual(len(rows), 1)  # the N run has no timed pair
+        self.assertEqual(len(rows), 1)  # rank 1 and the N run have no timed glake partner
         cells = [c.strip() for c in rows[0].strip("|").split("|")]
         first = (0.3 * 0.99 / 0.9 + 0.4) / 2 / 0.35
         self.assertEqual(cells[:2], ["opt1.3b LR", "1, 1"])
