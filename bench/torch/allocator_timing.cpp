@@ -7,7 +7,8 @@
 // What it times: allocate() and the deleter of the DataPtr it returns (a tensor's free), and
 // raw_alloc / raw_alloc_with_stream / raw_delete. For glake this includes PyTorch's pluggable
 // wrapper (its lock and metadata map) around glake's own call; for the default allocator, the
-// whole native path. Every other member is forwarded untimed.
+// whole native path. A call that throws (an out-of-memory) is not counted. Every other member is
+// forwarded untimed.
 //
 // How the free is timed: both allocators return DataPtrs whose context is the pointer and whose
 // deleter is one plain function; the wrapper swaps in its own deleter, which times a call of the
@@ -52,12 +53,22 @@ void timed_raw_delete(void* ptr) {
   free_calls.fetch_add(1, std::memory_order_relaxed);
 }
 
-// The DataPtr `p` as the inner allocator made it (its deleter), without ownership.
-c10::DataPtr inner_view(const c10::DataPtr& p) {
-  c10::DeleterFnPtr d = p.get_deleter();
-  if (d == &timed_delete) d = inner_deleter.load(std::memory_order_relaxed);
-  return c10::DataPtr(p.get(), p.get_context(), d, p.device());
-}
+// The DataPtr `p` as the inner allocator made it (its deleter), for the inner allocator to look
+// at. It never owns the memory: its context is released when it goes, even by an exception.
+class inner_view {
+ public:
+  explicit inner_view(const c10::DataPtr& p)
+      : view_(p.get(), p.get_context(),
+              p.get_deleter() == &timed_delete ? inner_deleter.load(std::memory_order_relaxed) : p.get_deleter(),
+              p.device()) {}
+  inner_view(const inner_view&) = delete;
+  inner_view& operator=(const inner_view&) = delete;
+  ~inner_view() { (void)view_.release_context(); }
+  const c10::DataPtr& get() const { return view_; }
+
+ private:
+  c10::DataPtr view_;
+};
 
 struct timing_allocator final : cca::CUDAAllocator {
   c10::DataPtr allocate(size_t n) override {
@@ -81,10 +92,7 @@ struct timing_allocator final : cca::CUDAAllocator {
     inner->copy_data(dest, src, count);
   }
   bool is_simple_data_ptr(const c10::DataPtr& p) const override {
-    c10::DataPtr view = inner_view(p);
-    const bool simple = inner->is_simple_data_ptr(view);
-    view.release_context();
-    return simple;
+    return inner->is_simple_data_ptr(inner_view(p).get());
   }
 
   void* raw_alloc(size_t nbytes) override {
@@ -106,9 +114,7 @@ struct timing_allocator final : cca::CUDAAllocator {
   bool initialized() override { return inner->initialized(); }
   void emptyCache(c10::MempoolId_t id) override { inner->emptyCache(id); }
   void recordStream(const c10::DataPtr& p, c10::cuda::CUDAStream stream) override {
-    c10::DataPtr view = inner_view(p);
-    inner->recordStream(view, stream);
-    view.release_context();
+    inner->recordStream(inner_view(p).get(), stream);
   }
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     return inner->getDeviceStats(device);
