@@ -120,8 +120,9 @@ def python_loop_seconds(n=PROBE_LOOPS * 25):
 
 def allocator_timing(path):
     """Wraps the CUDA allocator now installed (PyTorch's, or glake's pluggable one) in the timing
-    allocator of bench/torch/allocator_timing.cpp. Call after `import torch` (and glake's enable)
-    and before the first CUDA allocation. Returns a function giving the totals so far:
+    allocator of bench/torch/allocator_timing.cpp. Call after `import torch` (and glake's enable),
+    before the model is built: what was allocated earlier is freed untimed. Returns a function
+    giving the totals so far:
     {"alloc_ns", "alloc_calls", "free_ns", "free_calls", "untimed"}."""
     import ctypes
 
@@ -332,7 +333,9 @@ def run_training(args, result, device):
     last = glake.stats(device) if glake is not None else None
     last_host = glake.host_time() if glake is not None else None
     # --allocator-timing: host time inside the allocator's calls (allocations and frees) per step
-    # and their number, for whichever allocator runs.
+    # and their number, for whichever allocator runs. Read after each step's clock stops, so a
+    # step's figures also hold the few calls between the previous read and the step (the loss
+    # freed, memory samples), under both allocators alike.
     step_timed_ms, step_timed_calls = [], []
     last_timed = timing() if timing is not None else None
     # Time in Python's cyclic garbage collector during each step: a pause of the host thread that
