@@ -76,23 +76,16 @@ class Driver(unittest.TestCase):
         for command, _ in children.calls:
             self.assertIn("--gc-outside-steps", command)
 
-    def test_host_probe_reaches_the_children(self):
-        children = FakeChildren(numbers)
-        self.run_driver(["--models", "opt1.3b", "--strategies", "N", "--host-probe"], children)
-        self.assertEqual(len(children.calls), 3)
-        self.assertTrue(all("--host-probe" in command for command, _ in children.calls))
-        children = FakeChildren(numbers)
-        self.run_driver(["--models", "opt1.3b", "--strategies", "N"], children)
-        self.assertFalse(any("--host-probe" in command for command, _ in children.calls))
-
-    def test_allocator_timing_reaches_every_child(self):
-        children = FakeChildren(numbers)
-        self.run_driver(["--models", "opt1.3b", "--strategies", "N", "--allocator-timing"], children)
-        self.assertEqual(len(children.calls), 3)
-        self.assertTrue(all("--allocator-timing" in command for command, _ in children.calls))
-        children = FakeChildren(numbers)
-        self.run_driver(["--models", "opt1.3b", "--strategies", "N"], children)
-        self.assertFalse(any("--allocator-timing" in command for command, _ in children.calls))
+    def test_host_probe_and_allocator_timing_reach_every_child_only_when_asked(self):
+        for flag in ("--host-probe", "--allocator-timing"):
+            with self.subTest(flag=flag):
+                children = FakeChildren(numbers)
+                self.run_driver(["--models", "opt1.3b", "--strategies", "N", flag], children)
+                self.assertEqual(len(children.calls), 3)  # default, expandable, glake
+                self.assertTrue(all(flag in command for command, _ in children.calls))
+                children = FakeChildren(numbers)
+                self.run_driver(["--models", "opt1.3b", "--strategies", "N"], children)
+                self.assertFalse(any(flag in command for command, _ in children.calls))
 
     def test_profile_steps_reach_the_children(self):
         children = FakeChildren(numbers)
