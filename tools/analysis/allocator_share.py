@@ -38,7 +38,7 @@ import json
 import statistics
 import sys
 
-TARGET = 1.02
+from steptime_pairs import TARGET  # same folder: the script's own directory is on sys.path
 
 
 def step_shares(run):
