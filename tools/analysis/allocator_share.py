@@ -33,6 +33,11 @@ is the target's quantity for that realisation with the host's speed taken out. T
 the median of the implied ratio over the realisations, the largest, and how many exceed 1.02.
 What this leaves out is stated in bench/results/finetune.md: effects outside the calls (caches
 the calls evict, GPU work waiting on a driver call).
+
+Options (before or after the files):
+    --per-step       also print each workload's r_k, step by step
+    --neutral K,...  take r_k = 1 for these steps (numbered from 1) in the implied ratios: what
+                     the target's quantity would be if glake cost no more than the default there
 """
 import json
 import statistics
@@ -71,17 +76,19 @@ def pooled(runs):
     return out
 
 
-def compare(default_runs, glake_runs, realisations=None):
-    """The figures of one workload, or None when either allocator has no timed steps."""
+def compare(default_runs, glake_runs, realisations=None, neutral=()):
+    """The figures of one workload, or None when either allocator has no timed steps. Steps in
+    `neutral` (numbered from 1) count with r = 1 in the implied ratios."""
     d, g = pooled(default_runs), pooled(glake_runs)
     steps = sorted(set(d) & set(g))
     if not steps:
         return None
     ratios = [(1 - d[k][0]) / (1 - g[k][0]) for k in steps]
+    used = [1.0 if k + 1 in neutral else r for k, r in zip(steps, ratios)]
     implied = []
     for run in realisations or default_runs:
         times = run.get("step_times_s") or []
-        pairs = [(times[k], r) for k, r in zip(steps, ratios) if k < len(times)]
+        pairs = [(times[k], r) for k, r in zip(steps, used) if k < len(times)]
         if pairs:
             implied.append(statistics.median(t * r for t, r in pairs) / statistics.median(t for t, _ in pairs))
 
@@ -94,7 +101,7 @@ def compare(default_runs, glake_runs, realisations=None):
         default_ns_per_call=per_call(d), glake_ns_per_call=per_call(g),
         ratio_median=statistics.median(ratios), ratio_max=max(ratios), steps=len(steps),
         steps_over=sum(r > TARGET for r in ratios), implied=implied,
-        runs=(len(default_runs), len(glake_runs)),
+        runs=(len(default_runs), len(glake_runs)), per_step={k + 1: r for k, r in zip(steps, ratios)},
     )
 
 
@@ -122,19 +129,32 @@ def load(paths):
     return workloads, defaults
 
 
-def main(paths):
+def main(argv):
+    per_step, neutral, paths = False, (), []
+    args = iter(argv)
+    for a in args:
+        if a == "--per-step":
+            per_step = True
+        elif a == "--neutral":
+            neutral = tuple(int(k) for k in next(args, "").split(",") if k)
+        else:
+            paths.append(a)
+    if neutral:
+        print(f"Implied ratios with r = 1 in steps {', '.join(map(str, neutral))}.\n")
     print("| workload | runs (default, glake) | share of a step in the allocator: default | glake "
           "| ns per call: default | glake | per-step ratio r: median | largest | steps over 1.02 "
           "| host realisations | implied ratio of median steps: median | largest | over 1.02 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     workloads, defaults = load(paths)
+    steps_of = {}
     for name, by_allocator in workloads.items():
         timed = by_allocator.get("default", []) + by_allocator.get("glake", [])
         lengths = timed[0].get("seq_lengths") if timed else None
         same = [r for r in defaults.get(name, []) if r.get("seq_lengths") == lengths]
-        c = compare(by_allocator.get("default", []), by_allocator.get("glake", []), same)
+        c = compare(by_allocator.get("default", []), by_allocator.get("glake", []), same, neutral)
         if c is None:
             continue
+        steps_of[name] = c["per_step"]
 
         def ns(v):
             return f"{v:.0f}" if v is not None else "-"
@@ -144,6 +164,12 @@ def main(paths):
               f"{c['ratio_median']:.4f} | {c['ratio_max']:.4f} | {c['steps_over']} of {c['steps']} | "
               f"{len(c['implied'])} | {statistics.median(c['implied']):.4f} | {max(c['implied']):.4f} | "
               f"{sum(x > TARGET for x in c['implied'])} |")
+    if per_step and steps_of:
+        numbers = sorted({k for r in steps_of.values() for k in r})
+        print("\n| workload | " + " | ".join(f"r, step {k}" for k in numbers) + " |")
+        print("|---|" + "---|" * len(numbers))
+        for name, r in steps_of.items():
+            print(f"| {name} | " + " | ".join(f"{r[k]:.3f}" if k in r else "-" for k in numbers) + " |")
     return 0
 
 

@@ -88,6 +88,30 @@ class AllocatorShare(unittest.TestCase):
         self.assertEqual(cells[:2], ["opt1.3b LR", "1, 1"])
         self.assertEqual(cells[8:], ["1 of 4", "2", f"{(first + 1) / 2:.4f}", f"{first:.4f}", "1"])
 
+    def test_neutral_steps_count_with_ratio_one(self):
+        c = allocator_share.compare([DEFAULT], [GLAKE], [DEFAULT, OTHER_HOST], neutral=(5,))
+        self.assertEqual(c["implied"], [1.0, 1.0])  # step 5 was glake's only costly step
+        self.assertAlmostEqual(c["ratio_max"], 0.99 / 0.9)  # the ratios themselves are as measured
+        self.assertEqual(sorted(c["per_step"]), [3, 4, 5, 6])
+        self.assertAlmostEqual(c["per_step"][5], 0.99 / 0.9)
+        self.assertAlmostEqual(c["per_step"][3], 1.0)
+
+    def test_options_print_each_steps_ratio_and_apply_neutral_steps(self):
+        with tempfile.TemporaryDirectory() as directory:
+            path = os.path.join(directory, "runs.jsonl")
+            with open(path, "w") as f:
+                for r in (DEFAULT, GLAKE, OTHER_HOST):
+                    f.write(json.dumps(r) + "\n")
+            out = io.StringIO()
+            with redirect_stdout(out):
+                allocator_share.main(["--per-step", path, "--neutral", "5"])
+        text = out.getvalue()
+        self.assertIn("r = 1 in steps 5", text)
+        self.assertIn("| r, step 3 | r, step 4 | r, step 5 | r, step 6 |", text)
+        self.assertIn(f"| opt1.3b LR | 1.000 | 1.000 | {0.99 / 0.9:.3f} | 1.000 |", text)
+        row = [line for line in text.splitlines() if line.startswith("| opt1.3b LR | 1, 1")][0]
+        self.assertEqual([c.strip() for c in row.strip("|").split("|")][10:], ["1.0000", "1.0000", "0"])
+
 
 if __name__ == "__main__":
     unittest.main()
