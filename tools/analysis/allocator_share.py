@@ -39,6 +39,7 @@ Options (before or after the files):
     --neutral K,...  take r_k = 1 for these steps (numbered from 1) in the implied ratios: what
                      the target's quantity would be if glake cost no more than the default there
 """
+import argparse
 import json
 import statistics
 import sys
@@ -129,16 +130,26 @@ def load(paths):
     return workloads, defaults
 
 
+def step_numbers(text):
+    """"7,14" -> (7, 14); steps are numbered from 1."""
+    try:
+        steps = tuple(int(k) for k in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected step numbers like 7,14, got {text!r}") from None
+    if any(k < 1 for k in steps):
+        raise argparse.ArgumentTypeError(f"steps are numbered from 1, got {text!r}")
+    return steps
+
+
 def main(argv):
-    per_step, neutral, paths = False, (), []
-    args = iter(argv)
-    for a in args:
-        if a == "--per-step":
-            per_step = True
-        elif a == "--neutral":
-            neutral = tuple(int(k) for k in next(args, "").split(",") if k)
-        else:
-            paths.append(a)
+    parser = argparse.ArgumentParser(description="The allocator's share of each step and the step-time ratio it "
+                                     "implies (see the module's docstring).")
+    parser.add_argument("files", nargs="+", help="finetune.py JSONL results")
+    parser.add_argument("--per-step", action="store_true", help="also print each workload's r_k, step by step")
+    parser.add_argument("--neutral", type=step_numbers, default=(), metavar="K,...",
+                        help="take r_k = 1 for these steps (numbered from 1) in the implied ratios")
+    args = parser.parse_args(argv)
+    per_step, neutral, paths = args.per_step, args.neutral, args.files
     if neutral:
         print(f"Implied ratios with r = 1 in steps {', '.join(map(str, neutral))}.\n")
     print("| workload | runs (default, glake) | share of a step in the allocator: default | glake "

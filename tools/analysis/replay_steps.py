@@ -54,11 +54,18 @@ def step_starts(lines, lengths, granule=512):
     return None
 
 
+class ReplayError(RuntimeError):
+    pass
+
+
 def replay(binary, path, allocator, conf):
     command = [binary, "--quiet", "--json", "-a", allocator, path]
     if conf:
         command += ["--glake-conf", conf]
-    return json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ReplayError(f"{' '.join(command)} exited with {done.returncode}: {done.stderr.strip()}")
+    return json.loads(done.stdout)
 
 
 def per_step(results):
@@ -116,7 +123,11 @@ def main(argv):
     status = 0
     for trace in args.traces:
         name = os.path.basename(trace).split(".trace")[0]
-        got = trace_steps(args.replay, trace, lengths, args.allocator, args.glake_conf)
+        try:
+            got = trace_steps(args.replay, trace, lengths, args.allocator, args.glake_conf)
+        except (OSError, ReplayError) as e:
+            print(f"{name}: {e}", file=sys.stderr)
+            return 2
         if got is None:
             print(f"{name}: no token-id request for every step (not a finetune.py trace with this seed)")
             status = 1

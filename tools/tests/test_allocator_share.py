@@ -5,7 +5,7 @@ import os
 import sys
 import tempfile
 import unittest
-from contextlib import redirect_stdout
+from contextlib import redirect_stderr, redirect_stdout
 
 TOOLS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(TOOLS, "analysis"))
@@ -111,6 +111,12 @@ class AllocatorShare(unittest.TestCase):
         self.assertIn(f"| opt1.3b LR | 1.000 | 1.000 | {0.99 / 0.9:.3f} | 1.000 |", text)
         row = [line for line in text.splitlines() if line.startswith("| opt1.3b LR | 1, 1")][0]
         self.assertEqual([c.strip() for c in row.strip("|").split("|")][10:], ["1.0000", "1.0000", "0"])
+
+    def test_bad_step_numbers_are_refused_with_a_message(self):
+        for bad in ("7,x", "0", ""):
+            with self.assertRaises(SystemExit), redirect_stderr(io.StringIO()) as err:
+                allocator_share.main(["--neutral", bad, "runs.jsonl"])
+            self.assertIn("--neutral", err.getvalue())
 
 
 if __name__ == "__main__":

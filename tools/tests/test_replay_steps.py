@@ -6,7 +6,7 @@ import stat
 import sys
 import tempfile
 import unittest
-from contextlib import redirect_stdout
+from contextlib import redirect_stderr, redirect_stdout
 
 TOOLS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(TOOLS, "analysis"))
@@ -105,6 +105,20 @@ class WithReplay(unittest.TestCase):
             status = replay_steps.main([self.binary, self.trace, "--steps", "2"])  # the seed's lengths are not 3, 5
         self.assertEqual(status, 1)
         self.assertIn("no token-id request for every step", out.getvalue())
+    def test_a_failing_replay_is_reported_not_raised(self):
+        with open(self.binary, "w") as f:
+            f.write(f"#!{sys.executable}\nimport sys\nprint('glake-replay: bad setting', file=sys.stderr)\nsys.exit(2)\n")
+        with self.assertRaises(replay_steps.ReplayError) as caught:
+            replay_steps.trace_steps(self.binary, self.trace, [3, 5], conf="nonsense")
+        self.assertIn("bad setting", str(caught.exception))
+        first, second = replay_steps.sequence_lengths(2)
+        with open(self.trace, "w") as f:
+            f.writelines([f"a,1,{64 * first},0\n", f"a,2,{64 * second},0\n"])
+        err = io.StringIO()
+        with redirect_stderr(err), redirect_stdout(io.StringIO()):
+            status = replay_steps.main([self.binary, self.trace, "--steps", "2", "--glake-conf", "nonsense"])
+        self.assertEqual(status, 2)
+        self.assertIn("exited with 2: glake-replay: bad setting", err.getvalue())
 
 if __name__ == "__main__":
     unittest.main()
