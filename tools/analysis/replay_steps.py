@@ -13,7 +13,8 @@ ends after it. Steps 1-2 are warm-up; finetune.py's step time is the median of s
 
 Prints one row per trace: driver calls and modeled driver milliseconds (H100 latencies,
 tools/replay/latency.hpp) per step, then the sums over the new-maximum steps 6-7 and the late steps
-8-N, and stitches, repairs and grows in the late steps.
+8-N, and stitches, repairs and grows in the late steps. Exits 1 when a trace cannot be cut (it
+holds no token-id request for some step: another seed or step count), 2 when a replay fails.
 """
 import argparse
 import gzip
