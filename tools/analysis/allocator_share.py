@@ -41,10 +41,15 @@ Options (before or after the files):
 """
 import argparse
 import json
+import os
 import statistics
 import sys
 
 from steptime_pairs import TARGET  # same folder: the script's own directory is on sys.path
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "bench", "torch"))
+from finetune import step_list  # noqa: E402  (standard library only at import)
 
 
 def step_shares(run):
@@ -130,39 +135,27 @@ def load(paths):
     return workloads, defaults
 
 
-def step_numbers(text):
-    """"7,14" -> (7, 14); steps are numbered from 1."""
-    try:
-        steps = tuple(int(k) for k in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected step numbers like 7,14, got {text!r}") from None
-    if any(k < 1 for k in steps):
-        raise argparse.ArgumentTypeError(f"steps are numbered from 1, got {text!r}")
-    return steps
-
-
 def main(argv):
     parser = argparse.ArgumentParser(description="The allocator's share of each step and the step-time ratio it "
                                      "implies (see the module's docstring).")
     parser.add_argument("files", nargs="+", help="finetune.py JSONL results")
     parser.add_argument("--per-step", action="store_true", help="also print each workload's r_k, step by step")
-    parser.add_argument("--neutral", type=step_numbers, default=(), metavar="K,...",
+    parser.add_argument("--neutral", type=step_list, default=(), metavar="K,...",
                         help="take r_k = 1 for these steps (numbered from 1) in the implied ratios")
     args = parser.parse_args(argv)
-    per_step, neutral, paths = args.per_step, args.neutral, args.files
-    if neutral:
-        print(f"Implied ratios with r = 1 in steps {', '.join(map(str, neutral))}.\n")
+    if args.neutral:
+        print(f"Implied ratios with r = 1 in steps {', '.join(map(str, args.neutral))}.\n")
     print("| workload | runs (default, glake) | share of a step in the allocator: default | glake "
           "| ns per call: default | glake | per-step ratio r: median | largest | steps over 1.02 "
           "| host realisations | implied ratio of median steps: median | largest | over 1.02 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    workloads, defaults = load(paths)
+    workloads, defaults = load(args.files)
     steps_of = {}
     for name, by_allocator in workloads.items():
         timed = by_allocator.get("default", []) + by_allocator.get("glake", [])
         lengths = timed[0].get("seq_lengths") if timed else None
         same = [r for r in defaults.get(name, []) if r.get("seq_lengths") == lengths]
-        c = compare(by_allocator.get("default", []), by_allocator.get("glake", []), same, neutral)
+        c = compare(by_allocator.get("default", []), by_allocator.get("glake", []), same, args.neutral)
         if c is None:
             continue
         steps_of[name] = c["per_step"]
@@ -175,7 +168,7 @@ def main(argv):
               f"{c['ratio_median']:.4f} | {c['ratio_max']:.4f} | {c['steps_over']} of {c['steps']} | "
               f"{len(c['implied'])} | {statistics.median(c['implied']):.4f} | {max(c['implied']):.4f} | "
               f"{sum(x > TARGET for x in c['implied'])} |")
-    if per_step and steps_of:
+    if args.per_step and steps_of:
         numbers = sorted({k for r in steps_of.values() for k in r})
         print("\n| workload | " + " | ".join(f"r, step {k}" for k in numbers) + " |")
         print("|---|" + "---|" * len(numbers))

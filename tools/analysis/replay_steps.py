@@ -12,8 +12,8 @@ ends after it. Steps 1-2 are warm-up; finetune.py's step time is the median of s
     python3 tools/analysis/replay_steps.py REPLAY TRACE... [--glake-conf max_handle:16MiB] [--allocator NAME]
 
 Prints one row per trace: driver calls and modeled driver milliseconds (H100 latencies,
-tools/replay/latency.hpp) per step, then the sums over the new-maximum steps 6-7 and the late steps
-8-N, and stitches, repairs and grows in the late steps. Exits 1 when a trace cannot be cut (it
+tools/replay/latency.hpp) per step, then the sums over the steps longer than the first (6-7 with
+the seed's lengths: where memory grows) and over the steps after them (8-N), and stitches, repairs and grows in the late steps. Exits 1 when a trace cannot be cut (it
 holds no token-id request for some step: another seed or step count), 2 when a replay fails.
 """
 import argparse
@@ -29,7 +29,13 @@ sys.path.insert(0, os.path.join(REPO, "bench", "torch"))
 from finetune import BATCH, sequence_lengths  # noqa: E402  (standard library only at import)
 
 ID_BYTES = 8  # int64 token ids
-NEW_MAXIMUM = (6, 7)  # with the seed's lengths: 996 and 890 tokens, after 860 at most
+
+
+def new_memory_steps(lengths):
+    """The steps after the first that are longer than it (numbered from 1): where a run needs
+    memory its first step did not. With the seed's lengths, 6 and 7 (996 and 890 tokens, after
+    860)."""
+    return [k for k, n in enumerate(lengths[1:], 2) if n > lengths[0]]
 
 
 def read_lines(path):
@@ -100,14 +106,17 @@ def trace_steps(binary, trace, lengths, allocator="glake", conf=None):
     return per_step(results), results[-1]
 
 
-def summary(name, steps, whole):
-    late = steps[NEW_MAXIMUM[-1]:]
-    new_max = [steps[k - 1] for k in NEW_MAXIMUM if k <= len(steps)]
+def summary(name, steps, whole, lengths):
     per = " ".join(f"{s['calls']}/{s['ms']:.1f}" for s in steps)
-    return (f"{name}: util {whole['utilization']:.4f}, peak reserved {whole['peak_reserved_bytes'] / 2**30:.3f} GiB\n"
-            f"  calls/ms per step: {per}\n"
-            f"  steps {NEW_MAXIMUM[0]}-{NEW_MAXIMUM[-1]}: {sum(s['ms'] for s in new_max):.1f} ms; "
-            f"steps {NEW_MAXIMUM[-1] + 1}-{len(steps)}: {sum(s['ms'] for s in late):.1f} ms, "
+    head = (f"{name}: util {whole['utilization']:.4f}, peak reserved {whole['peak_reserved_bytes'] / 2**30:.3f} GiB\n"
+            f"  calls/ms per step: {per}\n")
+    grown = new_memory_steps(lengths)
+    if not grown:
+        return head + "  no step is longer than the first"
+    late = steps[grown[-1]:]
+    new_max = [steps[k - 1] for k in grown]
+    return (head + f"  steps {grown[0]}-{grown[-1]}: {sum(s['ms'] for s in new_max):.1f} ms; "
+            f"steps {grown[-1] + 1}-{len(steps)}: {sum(s['ms'] for s in late):.1f} ms, "
             f"{sum(s['calls'] for s in late)} calls, {sum(s['stitches'] for s in late)} stitches, "
             f"{sum(s['repairs'] for s in late)} repairs, {sum(s['grows'] for s in late)} grows")
 
@@ -133,7 +142,7 @@ def main(argv):
             print(f"{name}: no token-id request for every step (not a finetune.py trace with this seed)")
             status = 1
             continue
-        print(summary(name, *got))
+        print(summary(name, *got, lengths))
     return status
 
 

@@ -51,6 +51,13 @@ class StepStarts(unittest.TestCase):
         self.assertIsNone(replay_steps.step_starts(["f,1\n"], [3]))
 
 
+class NewMemorySteps(unittest.TestCase):
+    def test_steps_longer_than_the_first(self):
+        self.assertEqual(replay_steps.new_memory_steps(replay_steps.sequence_lengths(14)), [6, 7])
+        self.assertEqual(replay_steps.new_memory_steps([5, 3, 9, 4, 6]), [3, 5])
+        self.assertEqual(replay_steps.new_memory_steps([5, 3]), [])
+
+
 class PerStep(unittest.TestCase):
     def test_differences_of_consecutive_prefixes(self):
         def result(calls, us, stitches):
