@@ -32,6 +32,7 @@
 #else
 #include <cuda.h>
 
+#include "glake/backends/async_reserver.hpp"
 #include "glake/backends/cuda.hpp"
 #endif
 
@@ -54,8 +55,9 @@ std::unique_ptr<allocator_type> make_allocator(int, const config& settings) {
 
 #else
 
-using allocator_type =
-    stitching_allocator<cuda_provider, cuda_reserver, best_fit_tail_stitching, lru_eviction, mutex_lock>;
+// Maps on a helper thread unless GLAKE_ASYNC_MAP=0 (torch_plugin::async_mapping_from).
+using allocator_type = stitching_allocator<cuda_provider, async_reserver<cuda_reserver>, best_fit_tail_stitching,
+                                           lru_eviction, mutex_lock>;
 
 /// Makes the device's primary context (PyTorch's) current for one call and restores the caller's
 /// afterwards. PyTorch calls alloc_fn with the device current, but frees, record_stream and
@@ -103,7 +105,9 @@ using device_scope = cuda_device_scope;
 constexpr const char* backend_name = "cuda";
 
 std::unique_ptr<allocator_type> make_allocator(int device, const config& settings) {
-  return std::make_unique<allocator_type>(cuda_provider(device), cuda_reserver(device), settings);
+  return std::make_unique<allocator_type>(
+      cuda_provider(device), async_reserver<cuda_reserver>(cuda_reserver(device), torch_plugin::async_mapping_from_env()),
+      settings);
 }
 
 #endif
@@ -121,6 +125,13 @@ plugin_type::options plugin_options() {
     o.header.push_back(std::string("settings: invalid: ") + e.what());
   }
   o.header.push_back(std::string("backend: ") + backend_name);
+#if !GLAKE_TORCH_SIMULATED
+  try {
+    o.header.push_back(std::string("async mapping: ") + (torch_plugin::async_mapping_from_env() ? "on" : "off"));
+  } catch (const std::exception& e) {
+    o.header.push_back(std::string("async mapping: invalid: ") + e.what());
+  }
+#endif
   return o;
 }
 
