@@ -53,10 +53,15 @@ from finetune import step_list  # noqa: E402  (standard library only at import)
 
 
 def step_shares(run):
-    """{step index: (share of the step in the allocator, ns per call)} for steps 3..N of one run."""
+    """{step index: (share of the step in the allocator, ns per call)} for steps 3..N of one run.
+    The allocator's time is its calls' host time plus, for glake mapping on a helper thread, the
+    time its gates held streams (step_gate_wait_ms): counted in full, as if the GPU had waited all
+    of it, which is the most it can have cost."""
     times, ms, calls = run.get("step_times_s") or [], run.get("step_allocator_ms") or [], run.get("step_allocator_calls") or []
+    gates = run.get("step_gate_wait_ms") or []
     n = min(len(times), len(ms), len(calls))
-    return {k: (ms[k] / 1e3 / times[k], ms[k] * 1e6 / calls[k] if calls[k] else None) for k in range(2, n) if times[k] > 0}
+    return {k: ((ms[k] + (gates[k] if k < len(gates) else 0.0)) / 1e3 / times[k], ms[k] * 1e6 / calls[k] if calls[k] else None)
+            for k in range(2, n) if times[k] > 0}
 
 
 def mean_step_times(runs):

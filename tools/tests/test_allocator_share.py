@@ -34,6 +34,15 @@ class AllocatorShare(unittest.TestCase):
         self.assertAlmostEqual(shares[2][1], 2500.0)  # 2.5 ms over 1000 calls
         self.assertAlmostEqual(shares[4][1], 30000.0)
 
+    def test_time_streams_waited_at_glakes_gates_counts_as_allocator_time(self):
+        gated = dict(GLAKE, step_allocator_ms=[90.0, 9.0, 2.5, 4.0, 3.0, 5.0], step_gate_wait_ms=[0, 0, 0, 0, 27.0, 0])
+        shares = allocator_share.step_shares(gated)
+        self.assertAlmostEqual(shares[4][0], 0.1)  # 3 ms of calls and 27 ms held, in 0.3 s
+        self.assertAlmostEqual(shares[4][1], 3000.0)  # the cost per call is the calls' own
+        self.assertAlmostEqual(shares[2][0], 0.01)
+        short = dict(gated, step_gate_wait_ms=[0, 0, 0])  # fewer entries than steps: the rest count 0
+        self.assertAlmostEqual(allocator_share.step_shares(short)[4][0], 0.01)
+
     def test_runs_are_pooled_by_step(self):
         second = dict(GLAKE, step_allocator_ms=[90.0, 9.0, 7.5, 4.0, 30.0, 5.0])  # step 3: 3% instead of 1%
         pooled = allocator_share.pooled([GLAKE, second])
