@@ -38,6 +38,11 @@ Options (before or after the files):
     --per-step       also print each workload's r_k, step by step
     --neutral K,...  take r_k = 1 for these steps (numbered from 1) in the implied ratios: what
                      the target's quantity would be if glake cost no more than the default there
+    --mapping M      glake runs that mapped on a helper thread (async), those that did not (sync),
+                     or all (any, the default); never pool the two where both are in the files
+    --no-gates       with glake mapping on a helper thread (GLAKE_ASYNC_MAP, the plug-in's default
+                     since session 12), leave out the time its gates held streams: the host's time
+                     only, a lower bound. By default that time is added in full, an upper bound
 """
 import argparse
 import json
@@ -52,13 +57,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 from finetune import step_list  # noqa: E402  (standard library only at import)
 
 
-def step_shares(run):
+def step_shares(run, gates=True):
     """{step index: (share of the step in the allocator, ns per call)} for steps 3..N of one run.
-    The allocator's time is its calls' host time plus, for glake mapping on a helper thread, the
-    time its gates held streams (step_gate_wait_ms): counted in full, as if the GPU had waited all
-    of it, which is the most it can have cost."""
+    The allocator's time is its calls' host time plus, for glake mapping on a helper thread and
+    `gates`, the time its gates held streams (step_gate_wait_ms): added in full, as if the step had
+    waited for all of it after the host's work, which is the most it can have cost (the host goes
+    on launching while a stream is held). Without `gates`, the host's time only: the least."""
     times, ms, calls = run.get("step_times_s") or [], run.get("step_allocator_ms") or [], run.get("step_allocator_calls") or []
-    gates = run.get("step_gate_wait_ms") or []
+    gates = (run.get("step_gate_wait_ms") or []) if gates else []
     n = min(len(times), len(ms), len(calls))
     return {k: ((ms[k] + (gates[k] if k < len(gates) else 0.0)) / 1e3 / times[k], ms[k] * 1e6 / calls[k] if calls[k] else None)
             for k in range(2, n) if times[k] > 0}
@@ -74,11 +80,11 @@ def mean_step_times(runs):
     return {k: statistics.fmean(v) for k, v in by_step.items()}
 
 
-def pooled(runs):
+def pooled(runs, gates=True):
     """{step index: (mean share, mean ns per call)} over the runs' steps 3..N."""
     by_step = {}
     for run in runs:
-        for k, value in step_shares(run).items():
+        for k, value in step_shares(run, gates).items():
             by_step.setdefault(k, []).append(value)
     out = {}
     for k, values in by_step.items():
@@ -87,10 +93,10 @@ def pooled(runs):
     return out
 
 
-def compare(default_runs, glake_runs, realisations=None, neutral=()):
+def compare(default_runs, glake_runs, realisations=None, neutral=(), gates=True):
     """The figures of one workload, or None when either allocator has no timed steps. Steps in
-    `neutral` (numbered from 1) count with r = 1 in the implied ratios."""
-    d, g = pooled(default_runs), pooled(glake_runs)
+    `neutral` (numbered from 1) count with r = 1 in the implied ratios; `gates` as in step_shares."""
+    d, g = pooled(default_runs, gates), pooled(glake_runs, gates)
     steps = sorted(set(d) & set(g))
     if not steps:
         return None
@@ -122,15 +128,23 @@ def workload(run):
     return f"{name} FSDP rank {run.get('rank', 0)}" if run.get("fsdp") else name
 
 
-def load(paths):
+def maps_on_helper(run):
+    """Whether a glake run mapped on a helper thread (GLAKE_ASYNC_MAP): its calls were deferred."""
+    return (run.get("glake_stats") or {}).get("deferred_calls", 0) > 0
+
+
+def load(paths, mapping="any"):
     """{workload: {allocator: [runs]}} of the finished runs with allocator timing, and
-    {workload: [runs]} of all finished default runs (the host realisations)."""
+    {workload: [runs]} of all finished default runs (the host realisations). `mapping` keeps the
+    glake runs that mapped on a helper thread ("async"), those that did not ("sync"), or all."""
     workloads, defaults = {}, {}
     for path in paths:
         with open(path) as f:
             for line in f:
                 r = json.loads(line)
                 if r.get("status") != "ok":
+                    continue
+                if r.get("allocator") == "glake" and mapping != "any" and maps_on_helper(r) != (mapping == "async"):
                     continue
                 key = workload(r)
                 if r.get("allocator") == "default":
@@ -147,20 +161,32 @@ def main(argv):
     parser.add_argument("--per-step", action="store_true", help="also print each workload's r_k, step by step")
     parser.add_argument("--neutral", type=step_list, default=(), metavar="K,...",
                         help="take r_k = 1 for these steps (numbered from 1) in the implied ratios")
+    parser.add_argument("--no-gates", action="store_true",
+                        help="leave out the time glake's gates held streams (step_gate_wait_ms): the host's "
+                        "time only, the least the allocator can have cost; by default it is added in full, "
+                        "the most")
+    parser.add_argument("--mapping", choices=("any", "async", "sync"), default="any",
+                        help="glake runs to use: those that mapped on a helper thread (async), those that did "
+                        "not (sync), or all (any, the default); default runs are all used")
     args = parser.parse_args(argv)
+    if args.mapping != "any":
+        print(f"glake runs: {args.mapping} mapping only.\n")
+    if args.no_gates:
+        print("Allocator time: the host's only; the time gates held streams left out.\n")
     if args.neutral:
         print(f"Implied ratios with r = 1 in steps {', '.join(map(str, args.neutral))}.\n")
     print("| workload | runs (default, glake) | share of a step in the allocator: default | glake "
           "| ns per call: default | glake | per-step ratio r: median | largest | steps over 1.02 "
           "| host realisations | implied ratio of median steps: median | largest | over 1.02 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    workloads, defaults = load(args.files)
+    workloads, defaults = load(args.files, args.mapping)
     steps_of = {}
     for name, by_allocator in workloads.items():
         timed = by_allocator.get("default", []) + by_allocator.get("glake", [])
         lengths = timed[0].get("seq_lengths") if timed else None
         same = [r for r in defaults.get(name, []) if r.get("seq_lengths") == lengths]
-        c = compare(by_allocator.get("default", []), by_allocator.get("glake", []), same, args.neutral)
+        c = compare(by_allocator.get("default", []), by_allocator.get("glake", []), same, args.neutral,
+                    not args.no_gates)
         if c is None:
             continue
         steps_of[name] = c["per_step"]

@@ -42,6 +42,11 @@ class AllocatorShare(unittest.TestCase):
         self.assertAlmostEqual(shares[2][0], 0.01)
         short = dict(gated, step_gate_wait_ms=[0, 0, 0])  # fewer entries than steps: the rest count 0
         self.assertAlmostEqual(allocator_share.step_shares(short)[4][0], 0.01)
+        self.assertAlmostEqual(allocator_share.step_shares(gated, gates=False)[4][0], 0.01)  # --no-gates
+        with_gates = allocator_share.compare([DEFAULT], [gated])
+        without = allocator_share.compare([DEFAULT], [gated], gates=False)
+        self.assertAlmostEqual(with_gates["per_step"][5], 0.99 / 0.9)
+        self.assertAlmostEqual(without["per_step"][5], 1.0)
 
     def test_runs_are_pooled_by_step(self):
         second = dict(GLAKE, step_allocator_ms=[90.0, 9.0, 7.5, 4.0, 30.0, 5.0])  # step 3: 3% instead of 1%
