@@ -19,7 +19,6 @@
 
 #include "glake/adaptors/pluggable_allocator.hpp"
 #include "glake/allocators/stitching_allocator.hpp"
-#include "glake/backends/async_reserver.hpp"
 #include "glake/backends/sim.hpp"
 
 using namespace glake;
@@ -234,30 +233,6 @@ TEST_CASE("pluggable_allocator: statistics in the order of the names; resettable
   std::uint64_t one = 7;
   CHECK(plugin.stats(64, &one, 1) == 0);  // out of range
   CHECK(one == 7);
-  CHECK(s.at("deferred_calls") == 0);  // a synchronous reserver: nothing deferred
-}
-
-TEST_CASE("pluggable_allocator: an allocator mapping on a helper thread reports its deferred calls and gates") {
-  using async_stitching =
-      stitching_allocator<sim_provider, async_reserver<sim_reserver>, best_fit_tail_stitching, lru_eviction, mutex_lock>;
-  std::vector<std::unique_ptr<sim_device>> devices;
-  using plugin_type = pluggable_allocator<async_stitching>;
-  plugin_type plugin(
-      [&](int) {
-        devices.push_back(std::make_unique<sim_device>(4 * GiB));
-        return std::make_unique<async_stitching>(sim_provider{*devices.back()},
-                                                 async_reserver<sim_reserver>(sim_reserver{*devices.back()}));
-      },
-      options_for<plugin_type>(nullptr));
-  void* a = plugin.allocate(64 * MiB, 0, stream_ref{3});
-  REQUIRE(a != nullptr);
-  const auto s = stats_of(plugin, 0);
-  const auto& r = plugin.find(0)->reserver();
-  CHECK(s.at("deferred_calls") == r.deferred_calls());
-  CHECK(s.at("deferred_calls") == s.at("driver_map") + s.at("driver_set_access"));  // all maps and grants
-  CHECK(s.at("gates") == r.gates());
-  CHECK(s.at("gate_wait_ns") == r.gate_wait_ns());
-  plugin.deallocate(a, 64 * MiB, 0, stream_ref{3});
 }
 
 TEST_CASE("pluggable_allocator: trace file names") {

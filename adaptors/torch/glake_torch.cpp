@@ -32,7 +32,6 @@
 #else
 #include <cuda.h>
 
-#include "glake/backends/async_reserver.hpp"
 #include "glake/backends/cuda.hpp"
 #endif
 
@@ -55,9 +54,8 @@ std::unique_ptr<allocator_type> make_allocator(int, const config& settings) {
 
 #else
 
-// Maps on a helper thread unless GLAKE_ASYNC_MAP=0 (torch_plugin::async_mapping_from).
-using allocator_type = stitching_allocator<cuda_provider, async_reserver<cuda_reserver>, best_fit_tail_stitching,
-                                           lru_eviction, mutex_lock>;
+using allocator_type =
+    stitching_allocator<cuda_provider, cuda_reserver, best_fit_tail_stitching, lru_eviction, mutex_lock>;
 
 /// Makes the device's primary context (PyTorch's) current for one call and restores the caller's
 /// afterwards. PyTorch calls alloc_fn with the device current, but frees, record_stream and
@@ -105,9 +103,7 @@ using device_scope = cuda_device_scope;
 constexpr const char* backend_name = "cuda";
 
 std::unique_ptr<allocator_type> make_allocator(int device, const config& settings) {
-  return std::make_unique<allocator_type>(
-      cuda_provider(device), async_reserver<cuda_reserver>(cuda_reserver(device), torch_plugin::async_mapping_from_env()),
-      settings);
+  return std::make_unique<allocator_type>(cuda_provider(device), cuda_reserver(device), settings);
 }
 
 #endif
@@ -125,13 +121,6 @@ plugin_type::options plugin_options() {
     o.header.push_back(std::string("settings: invalid: ") + e.what());
   }
   o.header.push_back(std::string("backend: ") + backend_name);
-#if !GLAKE_TORCH_SIMULATED
-  try {
-    o.header.push_back(std::string("async mapping: ") + (torch_plugin::async_mapping_from_env() ? "on" : "off"));
-  } catch (const std::exception& e) {
-    o.header.push_back(std::string("async mapping: invalid: ") + e.what());
-  }
-#endif
   return o;
 }
 

@@ -53,25 +53,6 @@ config settings_from(Getenv getenv) {
       default_base());
 }
 
-/// Whether the plug-in maps on a helper thread (async_reserver in backends/async_reserver.hpp):
-/// GLAKE_ASYNC_MAP, a boolean as in GLAKE_ALLOC_CONF (true/false, 1/0, yes/no, on/off); on when
-/// unset or empty. A stitch then costs the allocating thread microseconds instead of ~25 us per
-/// handle, and the request's stream waits (a host function) until the handles are mapped.
-/// `GLAKE_ASYNC_MAP=0` maps on the allocating thread, as before. Throws config_error naming the
-/// variable when its value is not a boolean.
-template <class Getenv>
-bool async_mapping_from(Getenv getenv) {
-  const char* value = getenv("GLAKE_ASYNC_MAP");
-  if (value == nullptr || *value == '\0') return true;
-  bool on = true;
-  detail::parse_setting("GLAKE_ASYNC_MAP", value, on);
-  return on;
-}
-
-inline bool async_mapping_from_env() {
-  return async_mapping_from([](const char* name) -> const char* { return std::getenv(name); });
-}
-
 inline config settings_from_env() {
   return settings_from([](const char* name) -> const char* { return std::getenv(name); });
 }

@@ -330,10 +330,6 @@ def run_training(args, result, device):
     # (read after the step's clock stops), so step times can be told apart by whether the
     # allocator went to the driver.
     step_calls, step_stitches, step_repairs, step_grows, step_host_ms = [], [], [], [], []
-    # With mapping on a helper thread (GLAKE_ASYNC_MAP, on by default): the time streams were held
-    # by glake's gates until their memory was mapped, per step. The GPU may wait there while the
-    # host does not, so host-side timings alone would miss it.
-    step_gate_wait_ms = []
     last = glake.stats(device) if glake is not None else None
     last_host = glake.host_time() if glake is not None else None
     # --allocator-timing: host time inside the allocator's calls (allocations and frees) per step
@@ -407,7 +403,6 @@ def run_training(args, result, device):
                 step_stitches.append(now["stitches"] - last["stitches"])
                 step_repairs.append(now["stitch_repairs"] - last["stitch_repairs"])
                 step_grows.append(now.get("stitch_grows", 0) - last.get("stitch_grows", 0))
-                step_gate_wait_ms.append(round((now.get("gate_wait_ns", 0) - last.get("gate_wait_ns", 0)) / 1e6, 3))
                 last = now
                 if last_host is not None:
                     host = glake.host_time()
@@ -436,7 +431,7 @@ def run_training(args, result, device):
                       step_queued_s=queued_times, step_cpu_s=step_cpu, step_steal_jiffies=step_steal)
         if glake is not None:
             result.update(step_driver_calls=step_calls, step_stitches=step_stitches, step_stitch_repairs=step_repairs,
-                          step_stitch_grows=step_grows, step_gate_wait_ms=step_gate_wait_ms)
+                          step_stitch_grows=step_grows)
             if last_host is not None:
                 result["step_allocator_host_ms"] = step_host_ms
         if timing is not None:

@@ -6,7 +6,6 @@
 #include "glake/allocators/caching_allocator.hpp"
 #include "glake/allocators/segment_source.hpp"
 #include "glake/allocators/stitching_allocator.hpp"
-#include "glake/backends/async_reserver.hpp"
 #include "glake/backends/concepts.hpp"
 #include "glake/backends/host.hpp"
 #include "glake/backends/sim.hpp"

@@ -6,13 +6,11 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include <chrono>
 #include <cstdint>
 #include <thread>
 #include <vector>
 
 #include "glake/allocators/stitching_allocator.hpp"
-#include "glake/backends/async_reserver.hpp"
 #include "glake/backends/cuda.hpp"
 #include "glake/backends/fault_injection.hpp"
 #include "kernels.hpp"
@@ -21,8 +19,6 @@ namespace {
 
 using namespace glake;
 using cuda_stitching = stitching_allocator<cuda_provider, cuda_reserver>;
-using async_cuda_reserver = async_reserver<cuda_reserver>;
-using async_stitching = stitching_allocator<cuda_provider, async_cuda_reserver>;
 constexpr std::size_t M = MiB;
 
 std::size_t device_free_bytes() {
@@ -35,18 +31,6 @@ unsigned long long mismatches(const void* p, std::size_t bytes, unsigned int see
   unsigned long long count = ~0ull;
   REQUIRE(gpu_test::count_mismatches(p, bytes, seed, &count, stream) == cudaSuccess);
   return count;
-}
-
-// Waits up to `seconds` for the stream's work; false if it is still not done (a deadlock).
-bool finishes_within(cudaStream_t stream, double seconds) {
-  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-  for (;;) {
-    const cudaError_t e = cudaStreamQuery(stream);
-    if (e == cudaSuccess) return true;
-    REQUIRE(e == cudaErrorNotReady);
-    if (std::chrono::steady_clock::now() > until) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
 }
 
 config stitch_everything() {
@@ -360,112 +344,4 @@ TEST_CASE("gpu: a peer named to the reserver reads and writes a stitched block o
   allocator.deallocate(stitched, 64 * M);
   allocator.deallocate(b, 32 * M);
   allocator.verify();
-}
-
-TEST_CASE("gpu: mapping on a helper thread: kernels queued right after each allocation see mapped memory") {
-  REQUIRE(cudaFree(nullptr) == cudaSuccess);
-  cudaStream_t s1 = nullptr, s2 = nullptr;
-  REQUIRE(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking) == cudaSuccess);
-  REQUIRE(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking) == cudaSuccess);
-  const std::size_t free_before = device_free_bytes();
-  {
-    config cfg = stitch_everything();
-    cfg.max_handle = 8 * M;
-    async_stitching allocator(cuda_provider(0), async_cuda_reserver(cuda_reserver(0)), cfg);
-    for (unsigned round = 0; round < 3; ++round) {
-      std::vector<void*> blocks;
-      for (unsigned i = 0; i < 8; ++i) {  // new memory: handles created here, mapped on the helper
-        blocks.push_back(allocator.allocate(64 * M, stream_ref{s1}));
-        REQUIRE(gpu_test::fill(blocks[i], 64 * M, 10 * round + i, s1) == cudaSuccess);
-      }
-      for (unsigned i = 0; i < 8; i += 2) allocator.deallocate(blocks[i], 64 * M, stream_ref{s1});
-      void* stitched = allocator.allocate(256 * M, stream_ref{s1});  // four holes, mapped side by side
-      REQUIRE(gpu_test::fill(stitched, 256 * M, 500 + round, s1) == cudaSuccess);
-      void* other = allocator.allocate(192 * M, stream_ref{s2});  // new memory for another stream
-      REQUIRE(gpu_test::fill(other, 192 * M, 700 + round, s2) == cudaSuccess);
-      CHECK(mismatches(stitched, 256 * M, 500 + round, s1) == 0);
-      CHECK(mismatches(other, 192 * M, 700 + round, s2) == 0);
-      for (unsigned i = 1; i < 8; i += 2) CHECK(mismatches(blocks[i], 64 * M, 10 * round + i, s1) == 0);
-      allocator.deallocate(stitched, 256 * M, stream_ref{s1});
-      allocator.deallocate(other, 192 * M, stream_ref{s2});
-      for (unsigned i = 1; i < 8; i += 2) allocator.deallocate(blocks[i], 64 * M, stream_ref{s1});
-      allocator.release_cached();  // unmaps on the helper, releases after them
-      allocator.verify();
-    }
-    CHECK(allocator.stats().stitches >= 3);
-    const auto& r = allocator.reserver();
-    CHECK(r.deferred_calls() > 100);
-    CHECK(r.failure().empty());
-    MESSAGE("deferred calls " << r.deferred_calls() << ", gates on streams " << r.gates() << ", host waits "
-                              << r.host_waits());
-  }
-  CHECK(device_free_bytes() + 64 * M >= free_before);  // everything went back to the driver
-  cudaStreamDestroy(s1);
-  cudaStreamDestroy(s2);
-}
-
-TEST_CASE("gpu: a gate holds its stream while the helper unmaps, frees and maps ahead of it, without deadlock") {
-  REQUIRE(cudaFree(nullptr) == cudaSuccess);
-  cudaStream_t s = nullptr;
-  REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
-  cuda_provider provider(0);
-  const std::size_t g = provider.granularity();
-  std::vector<CUmemGenericAllocationHandle> handles;
-  for (int i = 0; i < 66; ++i) handles.push_back(provider.try_create(g).value());
-  {
-    async_cuda_reserver r(cuda_reserver(0));
-    char* old = static_cast<char*>(r.try_reserve(g));
-    REQUIRE(r.try_map(old, g, handles[64]));
-    REQUIRE(r.try_set_access(old, g));
-    r.drain();
-    // A backlog on the helper (64 maps, access over them), then an unmap and a free, then more
-    // maps; the stream is idle, so it reaches the gate while the helper is still at the backlog.
-    char* big = static_cast<char*>(r.try_reserve(64 * g));
-    for (int i = 0; i < 64; ++i) REQUIRE(r.try_map(big + i * g, g, handles[i]));
-    REQUIRE(r.try_set_access(big, 64 * g));
-    r.unmap(old, g);
-    r.free(old, g);
-    char* small = static_cast<char*>(r.try_reserve(g));
-    REQUIRE(r.try_map(small, g, handles[65]));
-    REQUIRE(r.try_set_access(small, g));
-    r.gate(stream_ref{s});
-    REQUIRE(gpu_test::fill(big, 64 * g, 31, s) == cudaSuccess);
-    REQUIRE(gpu_test::fill(small, g, 32, s) == cudaSuccess);
-    REQUIRE(finishes_within(s, 30.0));  // the helper's unmap did not wait for the held stream
-    CHECK(mismatches(big, 64 * g, 31, s) == 0);
-    CHECK(mismatches(small, g, 32, s) == 0);
-    CHECK(r.failure().empty());
-    MESSAGE("gates on the stream " << r.gates() << ", host waits " << r.host_waits());
-    for (int i = 0; i < 64; ++i) r.unmap(big + i * g, g);
-    r.free(big, 64 * g);
-    r.unmap(small, g);
-    r.free(small, g);
-    r.drain();
-  }
-  for (auto h : handles) provider.release(h);
-  cudaStreamDestroy(s);
-}
-
-TEST_CASE("gpu: mapping on a helper thread during graph capture: the capturing thread waits, the graph runs") {
-  REQUIRE(cudaFree(nullptr) == cudaSuccess);
-  cudaStream_t s = nullptr;
-  REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
-  {
-    async_stitching allocator(cuda_provider(0), async_cuda_reserver(cuda_reserver(0)), stitch_everything());
-    REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
-    void* p = allocator.allocate(128 * M, stream_ref{s});  // new memory, mapped during the capture
-    REQUIRE(gpu_test::fill(p, 128 * M, 77, s) == cudaSuccess);
-    cudaGraph_t graph = nullptr;
-    REQUIRE(cudaStreamEndCapture(s, &graph) == cudaSuccess);
-    CHECK(allocator.reserver().gates() == 0);  // no host function went into the graph
-    cudaGraphExec_t exec = nullptr;
-    REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
-    REQUIRE(cudaGraphLaunch(exec, s) == cudaSuccess);
-    CHECK(mismatches(p, 128 * M, 77, s) == 0);
-    MESSAGE("host waits during capture " << allocator.reserver().host_waits());
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    allocator.deallocate(p, 128 * M, stream_ref{s});
-  }
-  cudaStreamDestroy(s);
 }

@@ -37,22 +37,3 @@ TEST_CASE("plug-in settings: the defaults are glake-replay's glake configuration
   env["GLAKE_ALLOC_CONF"] = "reuse_limit:0.5";
   CHECK_THROWS_AS(torch_plugin::settings_from(getenv), config_error);
 }
-
-TEST_CASE("plug-in settings: GLAKE_ASYNC_MAP turns mapping on a helper thread on (the default) or off") {
-  std::map<std::string, std::string> env;
-  const auto getenv = [&](const char* name) -> const char* {
-    const auto it = env.find(name);
-    return it == env.end() ? nullptr : it->second.c_str();
-  };
-  CHECK(torch_plugin::async_mapping_from(getenv));
-  env["GLAKE_ASYNC_MAP"] = "";
-  CHECK(torch_plugin::async_mapping_from(getenv));
-  env["GLAKE_ASYNC_MAP"] = "0";
-  CHECK_FALSE(torch_plugin::async_mapping_from(getenv));
-  env["GLAKE_ASYNC_MAP"] = "off";
-  CHECK_FALSE(torch_plugin::async_mapping_from(getenv));
-  env["GLAKE_ASYNC_MAP"] = "yes";
-  CHECK(torch_plugin::async_mapping_from(getenv));
-  env["GLAKE_ASYNC_MAP"] = "maybe";
-  CHECK_THROWS_WITH_AS(torch_plugin::async_mapping_from(getenv), doctest::Contains("GLAKE_ASYNC_MAP"), config_error);
-}

@@ -247,8 +247,7 @@ def stats(device=None):
     """glake's statistics of `device` (default: the current one) as a dict: the allocator's
     counters (active_bytes, peak_active_bytes = requested bytes; reserved_bytes, peak_reserved_bytes
     = physical bytes held; stitches, segments, driver calls by kind, failed_allocations = out of
-    memory), lifetime peaks, with mapping on a helper thread "deferred_calls", "gates" and
-    "gate_wait_ns" (GLAKE_ASYNC_MAP), "errors" (swallowed failures), plus "driver_calls" (all kinds) and
+    memory), lifetime peaks, "errors" (swallowed failures), plus "driver_calls" (all kinds) and
     "utilization" (peak active / peak reserved)."""
     lib = load()
     index = _device_index(device)

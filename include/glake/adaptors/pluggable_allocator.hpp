@@ -71,7 +71,7 @@ struct no_device_scope {
 
 /// The names of the values pluggable_allocator::stats writes, in order: the fields of
 /// `statistics`, its driver calls by kind, then the adaptor's own.
-inline constexpr std::array<std::string_view, 33> pluggable_stat_names = {
+inline constexpr std::array<std::string_view, 30> pluggable_stat_names = {
     "active_bytes",        "peak_active_bytes",   "allocated_bytes",     "peak_allocated_bytes",
     "reserved_bytes",      "peak_reserved_bytes", "cached_stitch_bytes", "allocations",
     "deallocations",       "failed_allocations",  "splits",              "merges",
@@ -79,8 +79,7 @@ inline constexpr std::array<std::string_view, 33> pluggable_stat_names = {
     "stitch_repairs",      "stitch_grows",        "stitch_evictions",    "cross_stream_bytes",
     "driver_create",       "driver_release",      "driver_reserve",      "driver_address_free",
     "driver_map",          "driver_unmap",        "driver_set_access",
-    "lifetime_peak_active_bytes", "lifetime_peak_reserved_bytes",
-    "deferred_calls",      "gates",               "gate_wait_ns",        "errors"};
+    "lifetime_peak_active_bytes", "lifetime_peak_reserved_bytes", "errors"};
 
 namespace detail {
 // The names after the 20 plain statistics are the driver calls in the order of `driver_call`.
@@ -89,7 +88,7 @@ constexpr bool driver_call_names_match() {
     const std::string_view name = pluggable_stat_names[20 + k];
     if (name.substr(0, 7) != "driver_" || name.substr(7) != to_string(static_cast<driver_call>(k))) return false;
   }
-  return pluggable_stat_names.size() == 20 + driver_call_kinds + 6;
+  return pluggable_stat_names.size() == 20 + driver_call_kinds + 3;
 }
 static_assert(driver_call_names_match(), "pluggable_stat_names is out of step with statistics");
 }  // namespace detail
@@ -402,13 +401,6 @@ class pluggable_allocator {
         for (const std::uint64_t calls : st.driver_calls.counts) v[i++] = calls;
         v[i++] = std::max<std::uint64_t>(s->lifetime_active.load(std::memory_order_relaxed), st.peak_active_bytes);
         v[i++] = std::max<std::uint64_t>(s->lifetime_reserved.load(std::memory_order_relaxed), st.peak_reserved_bytes);
-        // A reserver mapping on a helper thread (async_reserver) counts its deferred calls and gates.
-        if constexpr (requires(const Allocator& a) { a.reserver().gate_wait_ns(); }) {
-          const auto& r = s->allocator->reserver();
-          v[i++] = r.deferred_calls();
-          v[i++] = r.gates();
-          v[i++] = r.gate_wait_ns();
-        }
       }
     } catch (const usage_error&) {
       return 0;  // device id out of range

@@ -56,12 +56,6 @@ concept extensible_segment_source =
 /// Not thread-safe; the allocator that owns it serialises access.
 template <physical_provider Provider, address_reserver_for<Provider> Reserver>
 class vmm_segment_source {
-  // Blocks of a segment are handed out again without passing through this source, so nothing
-  // here could hold their streams until a deferred mapping is done.
-  static_assert(!requires(Reserver& r, stream_ref s) { r.gate(s); },
-                "vmm_segment_source maps synchronously: use async_reserver with stitching_allocator, "
-                "which gates every allocation");
-
  public:
   using lease_type = detail::mapped_segment<typename Provider::handle_type>;
 

@@ -242,7 +242,7 @@ class stitching_allocator {
   void* allocate(std::size_t bytes, stream_ref stream = default_stream) {
     std::lock_guard guard(lock_);
     if (bytes == 0) return nullptr;
-    if (void* p = allocate_locked(bytes, stream)) return gated(p, stream);
+    if (void* p = allocate_locked(bytes, stream)) return p;
     ++counters_.s.failed_allocations;
     detail::throw_out_of_memory("glake::stitching_allocator", bytes, stream, stats_locked(),
                                 largest_free_block(), backend_.memory_limit());
@@ -254,7 +254,7 @@ class stitching_allocator {
     if (bytes == 0) return nullptr;
     void* p = allocate_locked(bytes, stream);
     if (p == nullptr) ++counters_.s.failed_allocations;
-    return gated(p, stream);
+    return p;
   }
 
   /// Returns memory. `bytes` must be the size given to allocate. Null is ignored.
@@ -358,9 +358,6 @@ class stitching_allocator {
   std::size_t alignment() const noexcept { return config_.round_to; }
   const config& settings() const noexcept { return config_; }
   std::size_t chunk_size() const noexcept { return chunk_; }
-  /// The reserver, for what it counts itself (e.g. async_reserver's deferred calls and gates);
-  /// read it while no other thread calls the allocator.
-  const Reserver& reserver() const noexcept { return backend_.reserver(); }
   /// The backend's provider and reserver (e.g. to read a simulated device's counters).
   Provider& provider() noexcept { return backend_.provider(); }
   Reserver& reserver() noexcept { return backend_.reserver(); }
@@ -420,15 +417,6 @@ class stitching_allocator {
   }
 
   // ------------------------------------------------------------------ allocation
-  // A reserver that maps on a helper thread (async_reserver) holds the stream until the memory
-  // handed out is mapped.
-  void* gated(void* p, stream_ref stream) noexcept {
-    if constexpr (requires(Reserver& r) { r.gate(stream); }) {
-      if (p != nullptr) backend_.reserver().gate(stream);
-    }
-    return p;
-  }
-
   void* allocate_locked(std::size_t bytes, stream_ref stream) {
     if constexpr (has_events) {
       if (!pending_.empty()) finish_pending_frees(false);

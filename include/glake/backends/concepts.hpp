@@ -109,34 +109,6 @@ concept stream_ordered_reserver =
       { r.synchronize_device() } noexcept;
     };
 
-// ---------------------------------------------------------------------------------------------
-// host_function_reserver (optional refinement)
-//
-// A reserver whose streams can run a host function in their order (CUDA's cuLaunchHostFunc):
-// the work queued on the stream after it starts only once the function has returned. This is how
-// async_reserver (backends/async_reserver.hpp) holds a stream until the mappings done for it on a
-// helper thread are in place. The function must not call the driver; it may block.
-//
-// | expression                               | returns | throws        | meaning
-// |------------------------------------------|---------|---------------|--------------------------
-// | r.enqueue_host_function(s, fn, arg)      | bool    | driver_error  | queue fn(arg) on s; false,
-// |                                          |         |               | with nothing queued, when s
-// |                                          |         |               | cannot take one now (it is
-// |                                          |         |               | being captured into a graph)
-// | r.attach_thread()                        | void    | driver_error  | readies the calling thread
-// |                                          |         |               | for this reserver's calls
-// | r.detach_thread()                        | void    | no            | undoes attach_thread
-// ---------------------------------------------------------------------------------------------
-using host_function = void (*)(void*);
-
-template <class R>
-concept host_function_reserver =
-    address_reserver<R> && requires(R& r, stream_ref stream, host_function fn, void* arg) {
-      { r.enqueue_host_function(stream, fn, arg) } -> std::same_as<bool>;
-      { r.attach_thread() };
-      { r.detach_thread() } noexcept;
-    };
-
 /// A reserver that maps the handles a given provider creates.
 template <class R, class P>
 concept address_reserver_for = physical_provider<P> && address_reserver<R> &&

@@ -179,36 +179,6 @@ class cuda_reserver {
 
   void unmap(void* at, std::size_t bytes) noexcept { (void)cuMemUnmap(to_device(at), bytes); }
 
-  // --- host functions (host_function_reserver), for async_reserver's gates ---
-
-  /// Queues fn(arg) on `stream`; false when the stream is being captured into a graph (a host
-  /// function captured there would run again at every replay) or its capture state is unknown.
-  bool enqueue_host_function(stream_ref stream, host_function fn, void* arg) {
-    CUstream s = stream.as<CUstream_st>();
-    CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
-    if (cuStreamIsCapturing(s, &status) != CUDA_SUCCESS || status != CU_STREAM_CAPTURE_STATUS_NONE) return false;
-    detail::cuda_check(cuLaunchHostFunc(s, fn, arg), "cuLaunchHostFunc");
-    return true;
-  }
-  /// Makes the device's primary context (the CUDA runtime's and PyTorch's) current on the calling
-  /// thread, retained until detach_thread.
-  void attach_thread() {
-    CUdevice dev{};
-    detail::cuda_check(cuDeviceGet(&dev, device_), "cuDeviceGet");
-    CUcontext primary = nullptr;
-    detail::cuda_check(cuDevicePrimaryCtxRetain(&primary, dev), "cuDevicePrimaryCtxRetain");
-    const CUresult result = cuCtxSetCurrent(primary);
-    if (result != CUDA_SUCCESS) {
-      (void)cuDevicePrimaryCtxRelease(dev);
-      detail::cuda_check(result, "cuCtxSetCurrent");
-    }
-  }
-  void detach_thread() noexcept {
-    CUdevice dev{};
-    (void)cuCtxSetCurrent(nullptr);
-    if (cuDeviceGet(&dev, device_) == CUDA_SUCCESS) (void)cuDevicePrimaryCtxRelease(dev);
-  }
-
   // --- events (stream_ordered_reserver): pooled, timing disabled ---
   using event_type = CUevent;
 
@@ -286,6 +256,5 @@ class cuda_reserver {
 };
 static_assert(address_reserver_for<cuda_reserver, cuda_provider>);
 static_assert(stream_ordered_reserver<cuda_reserver>);
-static_assert(host_function_reserver<cuda_reserver>);
 
 }  // namespace glake

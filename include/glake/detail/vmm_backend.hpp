@@ -69,7 +69,6 @@ class vmm_backend {
   const driver_call_counts& calls() const noexcept { return calls_; }
   Provider& provider() noexcept { return provider_; }
   Reserver& reserver() noexcept { return reserver_; }
-  const Reserver& reserver() const noexcept { return reserver_; }
 
   /// Creates one handle per entry of `sizes` (each a granularity multiple), reserves one range of
   /// their sum and maps them in order. False when the limit or the backend ran out of memory;
@@ -90,7 +89,6 @@ class vmm_backend {
     auto undo = [&]() noexcept {
       for (std::size_t i = mapped; i-- > 0;) unmap(static_cast<char*>(base) + slots[i].offset, slots[i].size);
       if (base != nullptr) free_range(base, bytes);
-      if (created > 0) settle();
       for (std::size_t i = created; i-- > 0;) release(slots[i].handle);
     };
     try {
@@ -131,7 +129,6 @@ class vmm_backend {
       unmap(static_cast<char*>(base) + segment.slots[i].offset, segment.slots[i].size);
     }
     free_range(base, segment.size);
-    settle();
     for (std::size_t i = 0; i < segment.count; ++i) release(segment.slots[i].handle);
     physical_bytes_ -= segment.size;
     segment = segment_type{};
@@ -267,11 +264,6 @@ class vmm_backend {
     return c;
   }
 
-  // A reserver that defers its calls (async_reserver) finishes them before a handle is released:
-  // a handle must not be released while a queued call may still map or unmap it.
-  void settle() noexcept {
-    if constexpr (requires(Reserver& r) { r.drain(); }) reserver_.drain();
-  }
   void unmap(void* at, std::size_t bytes) noexcept {
     ++calls_[driver_call::unmap];
     reserver_.unmap(at, bytes);
