@@ -40,9 +40,14 @@ Options (before or after the files):
                      the target's quantity would be if glake cost no more than the default there
     --mapping M      glake runs that mapped on a helper thread (async), those that did not (sync),
                      or all (any, the default); never pool the two where both are in the files
-    --no-gates       with glake mapping on a helper thread (GLAKE_ASYNC_MAP, the plug-in's default
-                     since session 12), leave out the time its gates held streams: the host's time
-                     only, a lower bound. By default that time is added in full, an upper bound
+    --no-gates       for runs that mapped on a helper thread, leave out the time its gates held
+                     streams: the host's time only, a lower bound. By default that time is added in
+                     full, an upper bound
+
+Runs that mapped on a helper thread are session 12's experiment (the plug-in's GLAKE_ASYNC_MAP,
+removed again because copies fail on memory not yet mapped; bench/results/finetune.md, session
+12): their results carry step_gate_wait_ms and glake_stats.deferred_calls. Other runs have
+neither, and both options then change nothing.
 """
 import argparse
 import json
@@ -59,8 +64,8 @@ from finetune import step_list  # noqa: E402  (standard library only at import)
 
 def step_shares(run, gates=True):
     """{step index: (share of the step in the allocator, ns per call)} for steps 3..N of one run.
-    The allocator's time is its calls' host time plus, for glake mapping on a helper thread and
-    `gates`, the time its gates held streams (step_gate_wait_ms): added in full, as if the step had
+    The allocator's time is its calls' host time plus, for glake mapping on a helper thread
+    (session 12's experiment) and `gates`, the time its gates held streams (step_gate_wait_ms): added in full, as if the step had
     waited for all of it after the host's work, which is the most it can have cost (the host goes
     on launching while a stream is held). Without `gates`, the host's time only: the least."""
     times, ms, calls = run.get("step_times_s") or [], run.get("step_allocator_ms") or [], run.get("step_allocator_calls") or []
@@ -129,7 +134,8 @@ def workload(run):
 
 
 def maps_on_helper(run):
-    """Whether a glake run mapped on a helper thread (GLAKE_ASYNC_MAP): its calls were deferred."""
+    """Whether a glake run mapped on a helper thread (session 12's GLAKE_ASYNC_MAP): its calls were
+    deferred."""
     return (run.get("glake_stats") or {}).get("deferred_calls", 0) > 0
 
 
