@@ -102,6 +102,24 @@ class AllocatorShare(unittest.TestCase):
         self.assertEqual(cells[:2], ["opt1.3b LR", "1, 1"])
         self.assertEqual(cells[8:], ["1 of 4", "2", f"{(first + 1) / 2:.4f}", f"{first:.4f}", "1"])
 
+    def test_mapping_keeps_glake_runs_by_whether_they_mapped_on_a_helper_thread(self):
+        helper = dict(GLAKE, glake_stats={"deferred_calls": 500}, step_allocator_ms=[90.0, 9.0, 2.5, 4.0, 3.0, 5.0])
+        own = dict(GLAKE, glake_stats={"deferred_calls": 0})
+        with tempfile.TemporaryDirectory() as directory:
+            path = os.path.join(directory, "runs.jsonl")
+            with open(path, "w") as f:
+                for r in (DEFAULT, helper, own, dict(GLAKE, allocator="expandable")):
+                    f.write(json.dumps(r) + "\n")
+            for mapping, expected in (("any", [helper, own]), ("async", [helper]), ("sync", [own])):
+                workloads, defaults = allocator_share.load([path], mapping)
+                self.assertEqual(workloads["opt1.3b LR"]["glake"], expected, mapping)
+                self.assertEqual(workloads["opt1.3b LR"]["default"], [DEFAULT])  # never filtered
+                self.assertEqual(len(workloads["opt1.3b LR"]["expandable"]), 1)
+            out = io.StringIO()
+            with redirect_stdout(out):
+                allocator_share.main(["--mapping", "async", path])
+            self.assertIn("async mapping only", out.getvalue())
+
     def test_neutral_steps_count_with_ratio_one(self):
         c = allocator_share.compare([DEFAULT], [GLAKE], [DEFAULT, OTHER_HOST], neutral=(5,))
         self.assertEqual(c["implied"], [1.0, 1.0])  # step 5 was glake's only costly step
