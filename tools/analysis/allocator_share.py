@@ -65,13 +65,14 @@ from finetune import step_list  # noqa: E402  (standard library only at import)
 def step_shares(run, gates=True):
     """{step index: (share of the step in the allocator, ns per call)} for steps 3..N of one run.
     The allocator's time is its calls' host time plus, for glake mapping on a helper thread
-    (session 12's experiment) and `gates`, the time its gates held streams (step_gate_wait_ms): added in full, as if the step had
-    waited for all of it after the host's work, which is the most it can have cost (the host goes
-    on launching while a stream is held). Without `gates`, the host's time only: the least."""
+    (session 12's experiment) and `gates`, the time its gates held streams (step_gate_wait_ms):
+    added in full, as if the step had waited for all of it after the host's work, which is the
+    most it can have cost (the host goes on launching while a stream is held). Without `gates`,
+    the host's time only: the least."""
     times, ms, calls = run.get("step_times_s") or [], run.get("step_allocator_ms") or [], run.get("step_allocator_calls") or []
-    gates = (run.get("step_gate_wait_ms") or []) if gates else []
+    held = (run.get("step_gate_wait_ms") or []) if gates else []
     n = min(len(times), len(ms), len(calls))
-    return {k: ((ms[k] + (gates[k] if k < len(gates) else 0.0)) / 1e3 / times[k], ms[k] * 1e6 / calls[k] if calls[k] else None)
+    return {k: ((ms[k] + (held[k] if k < len(held) else 0.0)) / 1e3 / times[k], ms[k] * 1e6 / calls[k] if calls[k] else None)
             for k in range(2, n) if times[k] > 0}
 
 
