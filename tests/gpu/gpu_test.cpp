@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -103,6 +104,51 @@ TEST_CASE("gpu: a kernel writes a stitched block and the host reads back what it
   allocator.deallocate(blocks[1], 64 * M);
   allocator.deallocate(blocks[3], 64 * M);
   allocator.verify();
+}
+
+TEST_CASE("gpu: copies and memsets queued right after allocate run, on new memory and on a stitch") {
+  // The driver checks a copy's or memset's memory when the call is queued, not when it runs
+  // (bench/gpu_async_hazards.cu): memory must be mapped and accessible when allocate returns.
+  // Kernels alone would not notice memory that becomes ready only before they run.
+  REQUIRE(cudaFree(nullptr) == cudaSuccess);
+  cudaStream_t s = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+  constexpr std::size_t piece = 4 * M;
+  unsigned char* host = nullptr;  // [in | out | out]
+  REQUIRE(cudaMallocHost(reinterpret_cast<void**>(&host), 3 * piece) == cudaSuccess);
+  for (std::size_t i = 0; i < piece; ++i) host[i] = static_cast<unsigned char>(i * 7 + 1);
+  {
+    config cfg = stitch_everything();
+    cfg.max_handle = 8 * M;
+    cuda_stitching allocator(cuda_provider(0), cuda_reserver(0), cfg);
+    // Each call is queued at once after allocate; the stream then runs them in order.
+    auto copies_run = [&](void* p, std::size_t bytes) {
+      auto* d = static_cast<unsigned char*>(p);
+      REQUIRE(cudaMemsetAsync(d, 0xab, bytes, s) == cudaSuccess);
+      REQUIRE(cudaMemcpyAsync(d, host, piece, cudaMemcpyDefault, s) == cudaSuccess);
+      REQUIRE(cudaMemcpyAsync(host + piece, d, piece, cudaMemcpyDefault, s) == cudaSuccess);
+      REQUIRE(cudaMemcpyAsync(host + 2 * piece, d + bytes - piece, piece, cudaMemcpyDeviceToHost, s) == cudaSuccess);
+      REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+      CHECK(std::memcmp(host, host + piece, piece) == 0);
+      std::size_t wrong = 0;
+      for (std::size_t i = 0; i < piece; ++i) wrong += host[2 * piece + i] != 0xab;
+      CHECK(wrong == 0);
+    };
+    std::vector<void*> blocks;
+    for (int i = 0; i < 6; ++i) {
+      blocks.push_back(allocator.allocate(64 * M, stream_ref{s}));
+      copies_run(blocks.back(), 64 * M);
+    }
+    for (int i = 0; i < 6; i += 2) allocator.deallocate(blocks[i], 64 * M, stream_ref{s});
+    void* stitched = allocator.allocate(192 * M, stream_ref{s});
+    CHECK(allocator.stats().stitches == 1);
+    copies_run(stitched, 192 * M);
+    allocator.deallocate(stitched, 192 * M, stream_ref{s});
+    for (int i = 1; i < 6; i += 2) allocator.deallocate(blocks[i], 64 * M, stream_ref{s});
+    allocator.verify();
+  }
+  cudaFreeHost(host);
+  cudaStreamDestroy(s);
 }
 
 TEST_CASE("gpu: a repaired cached stitch serves kernels and no longer maps the block that took part of it") {
