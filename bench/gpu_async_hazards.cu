@@ -49,14 +49,6 @@ struct range {
   CUmemGenericAllocationHandle handle{};
 };
 
-CUmemAccessDesc access_desc() {
-  CUmemAccessDesc a{};
-  a.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  a.location.id = 0;
-  a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  return a;
-}
-
 const char* name_of(cudaError_t e) { return e == cudaSuccess ? "ok" : cudaGetErrorName(e); }
 
 }  // namespace
@@ -66,9 +58,8 @@ int main() {
   check(cudaSetDevice(0), "cudaSetDevice");
   check(cudaFree(nullptr), "cudaFree(0)");
   const CUmemAllocationProp prop = glake_probe::device_memory(0);
-  std::size_t g = 0;
-  check(cuMemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "granularity");
-  const CUmemAccessDesc a = access_desc();
+  const std::size_t g = glake_probe::granularity(prop);
+  const CUmemAccessDesc a = glake_probe::device_access(0);
   cudaStream_t s = nullptr;
   check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
   void* pinned = nullptr;

@@ -24,7 +24,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
-#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -34,6 +33,7 @@
 namespace {
 
 using glake_probe::check;
+using glake_probe::median;
 using clock_type = std::chrono::steady_clock;
 
 constexpr int kHandles = 64;
@@ -60,25 +60,12 @@ double us_since(clock_type::time_point t0) {
   return std::chrono::duration<double, std::micro>(clock_type::now() - t0).count();
 }
 
-// The median, or NaN for no values (a helper that never got to run).
-double median(std::vector<double> v) {
-  if (v.empty()) return std::numeric_limits<double>::quiet_NaN();
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 struct mapper {
   int device;
   std::size_t handle_bytes;
   std::vector<CUmemGenericAllocationHandle> handles;
 
-  CUmemAccessDesc access() const {
-    CUmemAccessDesc a{};
-    a.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    a.location.id = device;
-    a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    return a;
-  }
+  CUmemAccessDesc access() const { return glake_probe::device_access(device); }
   std::size_t bytes() const { return handles.size() * handle_bytes; }
 
   CUdeviceptr reserve() const {

@@ -12,7 +12,6 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <thread>
@@ -23,16 +22,12 @@
 namespace {
 
 using glake_probe::check;
+using glake_probe::median;
 using clock_type = std::chrono::steady_clock;
 
 constexpr int kHandles = 64;
 constexpr std::size_t kHandleBytes = std::size_t{8} << 20;
 constexpr int kRounds = 5;
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 // Runs `work(t)` on `threads` threads at once; returns the wall time in us.
 template <class Work>
@@ -59,10 +54,7 @@ int main() {
   check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   std::printf("%s\n", prop.name);
   const CUmemAllocationProp memory = glake_probe::device_memory(0);
-  CUmemAccessDesc access{};
-  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = 0;
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  const CUmemAccessDesc access = glake_probe::device_access(0);
 
   constexpr int kMaxThreads = 4;
   std::vector<std::vector<CUmemGenericAllocationHandle>> handles(kMaxThreads, std::vector<CUmemGenericAllocationHandle>(kHandles));
