@@ -95,6 +95,96 @@ TEST_CASE("stitching: a cached stitched range is reused only while the chunks it
   allocator.verify();
 }
 
+TEST_CASE("stitching: a cached range smaller than the best-fitting block serves the request and keeps the block whole") {
+  sim_device device(800 * M);  // full after the 400 MiB block: no growth possible
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, stitch_everything());
+  fragmented f(allocator, device);
+  void* stitched = allocator.allocate(200 * M);
+  allocator.deallocate(stitched, 200 * M);
+  void* big = allocator.allocate(400 * M);
+  allocator.deallocate(big, 400 * M);  // a free 400 MiB block, and the cached 200 MiB range
+
+  // The block fits 150 MiB too, but the range fits tighter and costs no driver call.
+  const std::uint64_t calls = allocator.stats().driver_calls.total();
+  void* p = allocator.allocate(150 * M);
+  CHECK(p == stitched);
+  CHECK(allocator.stats().stitch_cache_hits == 1);
+  CHECK(allocator.stats().driver_calls.total() == calls);
+  // So the block is still whole: 400 MiB more fits on the full device, without a stitch.
+  void* q = allocator.allocate(400 * M);
+  CHECK(q == big);
+  CHECK(allocator.stats().stitches == 1);
+  CHECK(allocator.stats().reserved_bytes == 800 * M);
+  allocator.verify();
+  allocator.deallocate(q, 400 * M);
+  allocator.deallocate(p, 150 * M);
+
+  // A block that fits tighter than the range is split as before; the range stays cached.
+  void* hold = allocator.allocate(280 * M);  // the 400 MiB block's first 280 MiB
+  void* r = allocator.allocate(110 * M);     // the 120 MiB left of it fits tighter than the range
+  CHECK(r == static_cast<char*>(big) + 280 * M);
+  CHECK(allocator.stats().stitch_cache_hits == 1);
+  CHECK(allocator.stats().cached_stitch_bytes == 200 * M);
+  allocator.verify();
+  for (auto [ptr, n] : {std::pair{r, 110 * M}, {hold, 280 * M}, {f.blocks[1], 100 * M}, {f.blocks[3], 100 * M}}) {
+    allocator.deallocate(ptr, n);
+  }
+  allocator.verify();
+  CHECK(device.violations() == 0);
+}
+
+TEST_CASE("stitching: a cached range found in use is probed again once memory it maps is freed, and serves a shorter request meanwhile") {
+  sim_device device(2 * GiB);
+  config cfg = stitch_everything();
+  cfg.stitch_reserve = 1;  // no growing in place: each range keeps its size
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, cfg);
+  fragmented f(allocator, device);
+  void* r1 = allocator.allocate(200 * M);  // over blocks 0 and 2
+  allocator.deallocate(r1, 200 * M);
+  // A second cached range, of 300 MiB over three other blocks, while r1's blocks are held.
+  void* hold[2] = {allocator.allocate(100 * M), allocator.allocate(100 * M)};
+  void* c[5];
+  for (void*& p : c) p = allocator.allocate(100 * M);
+  for (int i : {0, 2, 4}) allocator.deallocate(c[i], 100 * M);
+  void* r2 = allocator.allocate(300 * M);
+  REQUIRE(allocator.stats().stitches == 2);
+  allocator.deallocate(r2, 300 * M);
+  for (void* p : hold) allocator.deallocate(p, 100 * M);
+
+  // r1 claimed for 160 MiB leaves the last 40 MiB of its second block free in place; taken, then
+  // r1 freed: its first 160 MiB are free, its last 40 are not.
+  REQUIRE(allocator.allocate(160 * M) == r1);
+  void* tail = allocator.allocate(40 * M);
+  CHECK(handle_at(device, tail) == handle_at(device, r1, 160 * M));  // r1's last 40 MiB, in place
+  allocator.deallocate(r1, 160 * M);
+  allocator.verify();
+
+  // 200 MiB: r1, probed first, is not free (and remembered so); r2 serves it.
+  void* x = allocator.allocate(200 * M);
+  CHECK(x == r2);
+  allocator.deallocate(x, 200 * M);
+  allocator.verify();
+  // 160 MiB needs only r1's free part: what was remembered for 200 does not apply to it.
+  void* y = allocator.allocate(160 * M);
+  CHECK(y == r1);
+  allocator.deallocate(y, 160 * M);
+  void* w = allocator.allocate(200 * M);  // r1 found in use again
+  CHECK(w == r2);
+  allocator.deallocate(w, 200 * M);
+  // Once the tail is freed, r1 serves 200 MiB again.
+  allocator.deallocate(tail, 40 * M);
+  void* z = allocator.allocate(200 * M);
+  CHECK(z == r1);
+  CHECK(allocator.stats().stitches == 2);
+  CHECK(allocator.stats().stitch_repairs == 0);
+  allocator.verify();
+  allocator.deallocate(z, 200 * M);
+  for (int i : {1, 3}) allocator.deallocate(c[i], 100 * M);
+  for (int i : {1, 3}) allocator.deallocate(f.blocks[i], 100 * M);
+  allocator.verify();
+  CHECK(device.violations() == 0);
+}
+
 TEST_CASE("stitching: a cached range whose chunks were partly taken since is repaired, remapping only those") {
   sim_device device(500 * M);
   sim_stitching allocator(sim_provider{device}, sim_reserver{device}, stitch_everything());
