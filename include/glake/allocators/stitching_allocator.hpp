@@ -126,8 +126,6 @@ class stitching_allocator {
   struct segment : eviction_hook {
     detail::mapped_segment<handle_type> mapping;
     std::size_t stitch_refs = 0;  ///< pieces of stitched ranges (live or cached) inside it
-    std::uint64_t frees = 0;      ///< counts the times a block in it became free or changed
-                                  ///< stream: memory in it found in use stays so until this moves
   };
   using arena_type = detail::block_arena<segment>;
   using block_type = typename arena_type::block_type;
@@ -166,11 +164,6 @@ class stitching_allocator {
     std::size_t claimed_bytes = 0;  ///< the prefix of `size` claimed while live
     bool has_free_event = false;    ///< free_event marks the work queued before it was cached
     event_type free_event{};
-    // What prefix_free last found: the first `busy_prefix` bytes are not all free, and stay so
-    // while `busy_home`'s `frees` equals `busy_frees` (no home: nothing known).
-    const segment* busy_home = nullptr;
-    std::uint64_t busy_frees = 0;
-    std::size_t busy_prefix = 0;
   };
   struct stitch_by_address {
     bool operator()(const stitched& a, const stitched& b) const noexcept { return a.base < b.base; }
@@ -441,17 +434,9 @@ class stitching_allocator {
     const std::size_t size = detail::round_up(bytes, chunk_);
     arena_.reserve_nodes(2);
 
-    if (block_type* b = arena_.best_fit(stream, size)) {
-      // A cached stitched range smaller than the block fits tighter and costs no driver call
-      // either; taking it keeps the block whole for a larger request, which would otherwise
-      // have to be stitched anew.
-      if (config_.stitching && b->size > size && !cached_by_size_.empty()) {
-        if (void* p = reuse_stitch(size, bytes, stream, b->size - 1)) return p;
-      }
-      return hand_out(b, size, bytes);
-    }
+    if (block_type* b = arena_.best_fit(stream, size)) return hand_out(b, size, bytes);
     if (config_.stitching) {
-      if (void* p = reuse_stitch(size, bytes, stream, ~std::size_t{0})) return p;
+      if (void* p = reuse_stitch(size, bytes, stream)) return p;
     }
     if (adopt(size, stream, false)) {
       if (block_type* b = arena_.best_fit(stream, size)) return hand_out(b, size, bytes);
@@ -511,9 +496,9 @@ class stitching_allocator {
     return reinterpret_cast<void*>(b->address);
   }
 
-  // Step 2: a cached stitched range, of at most `largest` bytes, whose needed chunks are all free.
-  void* reuse_stitch(std::size_t size, std::size_t requested, stream_ref stream, std::size_t largest) {
-    const double limit = std::min(static_cast<double>(size) * config_.reuse_limit, static_cast<double>(largest));
+  // Step 2: a cached stitched range whose needed chunks are all free.
+  void* reuse_stitch(std::size_t size, std::size_t requested, stream_ref stream) {
+    const double limit = static_cast<double>(size) * config_.reuse_limit;
     std::size_t probes = 0;
     for (auto it = cached_by_size_.lower_bound(stitch_key{stream, size}, stitch_by_size{});
          it != cached_by_size_.end() && it->stream == stream &&
@@ -753,7 +738,6 @@ class stitching_allocator {
     for (const piece& pc : pieces_) ++pc.home->stitch_refs;
     leave_stitch_cache(s);
     s.pieces.swap(pieces_);  // the old pieces' storage is the next repair's scratch
-    s.busy_home = nullptr;
     s.size = std::max(s.size, at);
     claim_prefix(s, size, requested);
     ++counters_.s.stitch_cache_hits;
@@ -808,37 +792,17 @@ class stitching_allocator {
   }
 
   // Free on the range's own stream: a block another stream has taken over is that stream's.
-  // A piece found in use is remembered, so that probing the range again costs one comparison
-  // until a block of that piece's segment is freed or moves.
-  bool prefix_free(stitched& s, std::size_t size) noexcept {
-    if (s.busy_home != nullptr && size >= s.busy_prefix && s.busy_home->frees == s.busy_frees) return false;
-    const busy_piece busy = first_busy_piece(s, size);
-    if (busy.home == nullptr) return busy.prefix == 0;
-    s.busy_home = busy.home;
-    s.busy_frees = busy.home->frees;
-    s.busy_prefix = busy.prefix;
-    return false;
-  }
-
-  struct busy_piece {
-    const segment* home;  ///< null when none is in use
-    std::size_t prefix;   ///< bytes of the range up to the end of what was needed of it
-  };
-  // The first piece of `s` whose part in its first `size` bytes is not free on its stream.
-  // Without one, prefix is 0, or `size` when the pieces fall short of it.
-  busy_piece first_busy_piece(const stitched& s, std::size_t size) const noexcept {
+  bool prefix_free(const stitched& s, std::size_t size) noexcept {
     std::size_t need = size;
     for (const piece& pc : s.pieces) {
       if (need == 0) break;
       const std::size_t take = std::min(pc.size, need);
       const std::uintptr_t at = pc.home->mapping.base + pc.offset;
       const block_type* b = arena_.containing(at);
-      if (b == nullptr || !b->free || b->stream != s.stream || b->end() < at + take) {
-        return busy_piece{pc.home, size - need + take};
-      }
+      if (b == nullptr || !b->free || b->stream != s.stream || b->end() < at + take) return false;
       need -= take;
     }
-    return busy_piece{nullptr, need == 0 ? 0 : size};
+    return need == 0;
   }
 
   // Claims the first `size` bytes of `s`'s pieces (all free, nodes reserved): cannot fail.
@@ -1021,17 +985,10 @@ class stitching_allocator {
 
   void return_from_small(typename small_source::lease_type& lease) noexcept {
     block_type* b = arena_.find(lease.base);
-    enter_free_queue(give_back(b, mark_free(b->stream)));
+    enter_free_queue(arena_.give_back(b, mark_free(b->stream)));
   }
 
   // ------------------------------------------------------------------ deallocation
-  // Every block that becomes free goes through here, so that `frees` tells prefix_free when a
-  // piece it found in use may have been freed.
-  block_type* give_back(block_type* b, std::uint64_t mark) noexcept {
-    ++b->segment->frees;
-    return arena_.give_back(b, mark);
-  }
-
   void deallocate_locked(void* p, std::size_t bytes, stream_ref stream) {
     if (p == nullptr) return;
     if constexpr (has_events) {
@@ -1148,7 +1105,7 @@ class stitching_allocator {
       if (b->requested != bytes) detail::throw_size_mismatch(name, p, bytes, b->requested);
 #endif
       counters_.on_deallocate(b->requested, b->size);
-      enter_free_queue(give_back(b, mark_free(b->stream)));
+      enter_free_queue(arena_.give_back(b, mark_free(b->stream)));
       return;
     }
     auto it = stitch_by_address_.find(address, stitch_by_address{});
@@ -1177,7 +1134,7 @@ class stitching_allocator {
     const std::uint64_t mark = mark_free(s.stream);
     for (piece& pc : s.pieces) {
       if (pc.claimed == nullptr) continue;
-      enter_free_queue(give_back(pc.claimed, mark));
+      enter_free_queue(arena_.give_back(pc.claimed, mark));
       pc.claimed = nullptr;
     }
     counters_.on_deallocate(s.requested, s.claimed_bytes);
@@ -1374,7 +1331,6 @@ class stitching_allocator {
 
   void move_to(block_type* b, stream_ref stream) noexcept {
     const bool was_whole = b->size == b->segment->mapping.size;
-    ++b->segment->frees;
     counters_.s.cross_stream_bytes += b->size;
     block_type* merged = arena_.restream(b, stream);
     if (!was_whole) enter_free_queue(merged);
@@ -1393,7 +1349,6 @@ class stitching_allocator {
           synchronize_all();
           synchronized = true;
         }
-        ++b->segment->frees;
         b = arena_.restream(n, b->stream);  // merges into b, which stays the block at b's address
         enter_free_queue(b);
         continue;
@@ -1616,10 +1571,6 @@ class stitching_allocator {
         }
       }
       if (mapped != s.size) fail("a stitch's pieces do not add up to its size");
-      if (s.busy_home != nullptr && s.busy_home->frees == s.busy_frees &&
-          first_busy_piece(s, s.busy_prefix).home == nullptr) {
-        fail("a stitch remembers a piece in use that is free");
-      }
       if (s.reserved < s.size) fail("a stitch maps more than it reserved");
       if (s.live) {
         active += s.requested;

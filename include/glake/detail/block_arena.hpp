@@ -211,9 +211,6 @@ class block_arena {
 
   /// The block whose range holds `address`, or null.
   block_type* containing(std::uintptr_t address) noexcept {
-    return const_cast<block_type*>(std::as_const(*this).containing(address));
-  }
-  const block_type* containing(std::uintptr_t address) const noexcept {
     auto it = by_address_.upper_bound(address, address_order{});
     if (it == by_address_.begin()) return nullptr;
     --it;
