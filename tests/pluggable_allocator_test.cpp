@@ -214,6 +214,7 @@ TEST_CASE("pluggable_allocator: statistics in the order of the names; resettable
   CHECK(s.at("driver_create") == direct.driver_calls[driver_call::create]);
   CHECK(s.at("driver_map") == direct.driver_calls[driver_call::map]);
   CHECK(s.at("driver_set_access") == direct.driver_calls[driver_call::set_access]);
+  CHECK(s.at("device_waits") == direct.device_waits);
   CHECK(s.at("lifetime_peak_reserved_bytes") == 18 * MiB);
 
   plugin.release_cached(5);

@@ -137,6 +137,9 @@ TEST_CASE("stream order: cached stitched ranges are unmapped only after work que
   for (int i = 1; i < 8; i += 2) allocator.deallocate(blocks[i], 50 * M, A);
   allocator.release_cached();  // releases physical memory: queued work must be done first
   CHECK(log.device_synchronized == syncs + 1);
+  // Every time the host blocked on the device counts: synchronizations and event waits.
+  CHECK(log.waited > 0);
+  CHECK(allocator.stats().device_waits == log.device_synchronized + log.waited);
   CHECK(allocator.stats().reserved_bytes == 0);
   CHECK(device.violations() == 0);
 }
@@ -151,6 +154,7 @@ TEST_CASE("stream order: under memory pressure a pending free waits for its even
   void* q = allocator.allocate(16 * M, A);  // the device is full: waits for B's event, then reuses p
   CHECK(q == p);
   CHECK(log.waited == 1);
+  CHECK(allocator.stats().device_waits == 1);
   allocator.deallocate(q, 16 * M, A);
   allocator.verify();
 }
@@ -179,6 +183,7 @@ TEST_CASE("stream order: a free block moves to another stream only once its free
   CHECK(allocator.stats().cross_stream_bytes == 64 * M);
   CHECK(log.waited == 0);
   CHECK(log.device_synchronized == 0);
+  CHECK(allocator.stats().device_waits == 0);
   CHECK(log.events.size() == 1);  // B's calls recorded nothing on A (it might be gone)
   allocator.deallocate(r, 64 * M, B);
   allocator.deallocate(q, 128 * M, B);
@@ -197,6 +202,7 @@ TEST_CASE("stream order: free blocks of another stream that would serve a reques
   void* q = allocator.allocate(64 * M, B);
   CHECK(q == p);  // taken only after the device was synchronized
   CHECK(log.device_synchronized == 1);
+  CHECK(allocator.stats().device_waits == 1);
   CHECK(log.events.begin()->second.second);
   CHECK(allocator.stats().reserved_bytes == 128 * M);
   CHECK(allocator.stats().cross_stream_bytes == 64 * M);

@@ -329,7 +329,7 @@ def run_training(args, result, device):
     # glake runs: the driver calls, stitches and repaired cached stitches made during each step
     # (read after the step's clock stops), so step times can be told apart by whether the
     # allocator went to the driver.
-    step_calls, step_stitches, step_repairs, step_grows, step_host_ms = [], [], [], [], []
+    step_calls, step_stitches, step_repairs, step_grows, step_waits, step_host_ms = [], [], [], [], [], []
     last = glake.stats(device) if glake is not None else None
     last_host = glake.host_time() if glake is not None else None
     # --allocator-timing: host time inside the allocator's calls (allocations and frees) per step
@@ -403,6 +403,7 @@ def run_training(args, result, device):
                 step_stitches.append(now["stitches"] - last["stitches"])
                 step_repairs.append(now["stitch_repairs"] - last["stitch_repairs"])
                 step_grows.append(now.get("stitch_grows", 0) - last.get("stitch_grows", 0))
+                step_waits.append(now.get("device_waits", 0) - last.get("device_waits", 0))
                 last = now
                 if last_host is not None:
                     host = glake.host_time()
@@ -431,7 +432,7 @@ def run_training(args, result, device):
                       step_queued_s=queued_times, step_cpu_s=step_cpu, step_steal_jiffies=step_steal)
         if glake is not None:
             result.update(step_driver_calls=step_calls, step_stitches=step_stitches, step_stitch_repairs=step_repairs,
-                          step_stitch_grows=step_grows)
+                          step_stitch_grows=step_grows, step_device_waits=step_waits)
             if last_host is not None:
                 result["step_allocator_host_ms"] = step_host_ms
         if timing is not None:

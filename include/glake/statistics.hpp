@@ -70,6 +70,9 @@ struct statistics {
   std::uint64_t stitch_evictions = 0;    ///< cached stitched ranges unmapped
   std::uint64_t cross_stream_bytes = 0;  ///< free bytes moved to another stream once the work
                                          ///< queued on theirs before the free had completed
+  std::uint64_t device_waits = 0;        ///< times the host waited for the device (a device
+                                         ///< synchronize or an event wait) before reusing or
+                                         ///< releasing memory
   driver_call_counts driver_calls{};
 };
 

@@ -71,24 +71,25 @@ struct no_device_scope {
 
 /// The names of the values pluggable_allocator::stats writes, in order: the fields of
 /// `statistics`, its driver calls by kind, then the adaptor's own.
-inline constexpr std::array<std::string_view, 30> pluggable_stat_names = {
+inline constexpr std::array<std::string_view, 31> pluggable_stat_names = {
     "active_bytes",        "peak_active_bytes",   "allocated_bytes",     "peak_allocated_bytes",
     "reserved_bytes",      "peak_reserved_bytes", "cached_stitch_bytes", "allocations",
     "deallocations",       "failed_allocations",  "splits",              "merges",
     "segments_created",    "segments_released",   "stitches",            "stitch_cache_hits",
     "stitch_repairs",      "stitch_grows",        "stitch_evictions",    "cross_stream_bytes",
+    "device_waits",
     "driver_create",       "driver_release",      "driver_reserve",      "driver_address_free",
     "driver_map",          "driver_unmap",        "driver_set_access",
     "lifetime_peak_active_bytes", "lifetime_peak_reserved_bytes", "errors"};
 
 namespace detail {
-// The names after the 20 plain statistics are the driver calls in the order of `driver_call`.
+// The names after the 21 plain statistics are the driver calls in the order of `driver_call`.
 constexpr bool driver_call_names_match() {
   for (std::size_t k = 0; k < driver_call_kinds; ++k) {
-    const std::string_view name = pluggable_stat_names[20 + k];
+    const std::string_view name = pluggable_stat_names[21 + k];
     if (name.substr(0, 7) != "driver_" || name.substr(7) != to_string(static_cast<driver_call>(k))) return false;
   }
-  return pluggable_stat_names.size() == 20 + driver_call_kinds + 3;
+  return pluggable_stat_names.size() == 21 + driver_call_kinds + 3;
 }
 static_assert(driver_call_names_match(), "pluggable_stat_names is out of step with statistics");
 }  // namespace detail
@@ -395,7 +396,8 @@ class pluggable_allocator {
               std::uint64_t{st.reserved_bytes}, std::uint64_t{st.peak_reserved_bytes},
               std::uint64_t{st.cached_stitch_bytes}, st.allocations, st.deallocations, st.failed_allocations,
               st.splits, st.merges, st.segments_created, st.segments_released, st.stitches,
-              st.stitch_cache_hits, st.stitch_repairs, st.stitch_grows, st.stitch_evictions, st.cross_stream_bytes}) {
+              st.stitch_cache_hits, st.stitch_repairs, st.stitch_grows, st.stitch_evictions, st.cross_stream_bytes,
+              st.device_waits}) {
           v[i++] = value;
         }
         for (const std::uint64_t calls : st.driver_calls.counts) v[i++] = calls;

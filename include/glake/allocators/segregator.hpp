@@ -99,6 +99,7 @@ class segregator {
     s.stitch_grows = a.stitch_grows + b.stitch_grows;
     s.stitch_evictions = a.stitch_evictions + b.stitch_evictions;
     s.cross_stream_bytes = a.cross_stream_bytes + b.cross_stream_bytes;
+    s.device_waits = a.device_waits + b.device_waits;
     for (std::size_t k = 0; k < driver_call_kinds; ++k) {
       s.driver_calls.counts[k] = a.driver_calls.counts[k] + b.driver_calls.counts[k];
     }

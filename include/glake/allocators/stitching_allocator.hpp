@@ -1070,7 +1070,7 @@ class stitching_allocator {
           continue;
         }
         for (const auto& [s, e] : f.events) {
-          if (wait) backend_.reserver().wait_event(e);
+          if (wait) wait_for(e);
           backend_.reserver().recycle_event(e);
         }
         try {
@@ -1239,9 +1239,19 @@ class stitching_allocator {
   }
 
   // The device is synchronized: every free so far has completed.
+  // The only places the host blocks on the device; each counts in statistics::device_waits.
+  void wait_for(const event_type& e) noexcept {
+    ++counters_.s.device_waits;
+    backend_.reserver().wait_event(e);
+  }
+  void synchronize_device() noexcept {
+    ++counters_.s.device_waits;
+    backend_.reserver().synchronize_device();
+  }
+
   void synchronize_all() noexcept {
     if constexpr (has_events) {
-      backend_.reserver().synchronize_device();
+      synchronize_device();
       for (stream_clock& c : clocks_) {
         for (const auto& [mark, e] : c.in_flight) backend_.reserver().recycle_event(e);
         c.in_flight.clear();
@@ -1377,9 +1387,9 @@ class stitching_allocator {
         if (!done) {
           if (!wait) break;
           if (s->has_free_event) {
-            backend_.reserver().wait_event(s->free_event);
+            wait_for(s->free_event);
           } else {
-            backend_.reserver().synchronize_device();
+            synchronize_device();
           }
         }
       }
