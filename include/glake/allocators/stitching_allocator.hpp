@@ -119,6 +119,7 @@ class stitching_allocator {
     bool dirty = false;
     std::chrono::steady_clock::time_point recorded{};  ///< of the newest event
     std::deque<std::pair<std::uint64_t, event_type>> in_flight;
+    std::uint64_t wanted = 0;  ///< scratch for wait_for_other_streams: the newest mark it needs
   };
   static constexpr std::chrono::microseconds event_interval{1000};
 
@@ -1308,17 +1309,18 @@ class stitching_allocator {
     return covered > 0;
   }
 
-  // Synchronizes the device when free blocks of streams other than `stream` whose frees have not
-  // completed would serve `size`: one such block, or with `gather` their whole handles together.
-  // True if it did (every free so far has then completed). A device synchronize, not an event
-  // wait: frees made since a stream's last event have none, and no event may be recorded on a
-  // stream outside a call on it.
+  // Waits when free blocks of streams other than `stream` whose frees have not completed would
+  // serve `size`: one such block, or with `gather` their whole handles together. It waits for
+  // the events of just those streams, up to the newest free it needs on each, so the host blocks
+  // only until that work is done, not until the device has run everything queued; it
+  // synchronizes the device instead when a needed free has no event yet. True if it waited.
   bool wait_for_other_streams([[maybe_unused]] std::size_t size, [[maybe_unused]] stream_ref stream,
                               [[maybe_unused]] bool gather) noexcept {
     if constexpr (has_events) {
       if (clocks_.size() < 2) return false;
       bool enough = false;
       std::size_t pending = 0;
+      for (stream_clock& c : clocks_) c.wanted = 0;
       for (stream_clock& c : clocks_) {
         if (c.stream == stream) continue;
         arena_.for_each_free_largest_first(c.stream, [&](block_type& b) {
@@ -1326,13 +1328,35 @@ class stitching_allocator {
           if (!completed(b)) {
             pending += gather ? whole_handles_of(b).size : b.size;
             enough = gather ? pending >= size : true;
+            c.wanted = std::max(c.wanted, b.free_mark);
           }
           return !enough;
         });
         if (enough) break;
       }
       if (!enough) return false;
-      synchronize_all();
+      // Every needed mark must have an event recorded for it (marks are recorded in order).
+      bool recorded = true;
+      for (const stream_clock& c : clocks_) {
+        if (c.wanted != 0 && (c.in_flight.empty() || c.in_flight.back().first < c.wanted)) recorded = false;
+      }
+      if (!recorded) {
+        synchronize_all();
+        return true;
+      }
+      for (stream_clock& c : clocks_) {
+        if (c.wanted == 0 || c.wanted <= c.done) continue;
+        auto it = c.in_flight.begin();
+        while (it->first < c.wanted) ++it;
+        wait_for(it->second);
+        // The stream ran in order: that event's work and every earlier one's are done.
+        const std::uint64_t through = it->first;
+        while (!c.in_flight.empty() && c.in_flight.front().first <= through) {
+          backend_.reserver().recycle_event(c.in_flight.front().second);
+          c.in_flight.pop_front();
+        }
+        c.done = std::max(c.done, through);
+      }
       return true;
     } else {
       return false;
