@@ -140,16 +140,20 @@ def maps_on_helper(run):
     return (run.get("glake_stats") or {}).get("deferred_calls", 0) > 0
 
 
-def load(paths, mapping="any"):
+def load(paths, mapping="any", defaults_only=()):
     """{workload: {allocator: [runs]}} of the finished runs with allocator timing, and
     {workload: [runs]} of all finished default runs (the host realisations). `mapping` keeps the
-    glake runs that mapped on a helper thread ("async"), those that did not ("sync"), or all."""
+    glake runs that mapped on a helper thread ("async"), those that did not ("sync"), or all.
+    Files in `defaults_only` give their default runs alone: earlier runs as host conditions and as
+    the default side, without another allocator version's glake runs."""
     workloads, defaults = {}, {}
-    for path in paths:
+    for path in list(paths) + list(defaults_only):
         with open(path) as f:
             for line in f:
                 r = json.loads(line)
                 if r.get("status") != "ok":
+                    continue
+                if path in defaults_only and path not in paths and r.get("allocator") != "default":
                     continue
                 if r.get("allocator") == "glake" and mapping != "any" and maps_on_helper(r) != (mapping == "async"):
                     continue
@@ -175,6 +179,9 @@ def main(argv):
     parser.add_argument("--mapping", choices=("any", "async", "sync"), default="any",
                         help="glake runs to use: those that mapped on a helper thread (async), those that did "
                         "not (sync), or all (any, the default); default runs are all used")
+    parser.add_argument("--defaults-only", nargs="+", default=[], metavar="FILE",
+                        help="more JSONL results of which only the default runs are used (earlier "
+                        "allocator versions' files, for their host realisations)")
     args = parser.parse_args(argv)
     if args.mapping != "any":
         print(f"glake runs: {args.mapping} mapping only.\n")
@@ -186,7 +193,7 @@ def main(argv):
           "| ns per call: default | glake | per-step ratio r: median | largest | steps over 1.02 "
           "| host realisations | implied ratio of median steps: median | largest | over 1.02 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    workloads, defaults = load(args.files, args.mapping)
+    workloads, defaults = load(args.files, args.mapping, args.defaults_only)
     steps_of = {}
     for name, by_allocator in workloads.items():
         timed = by_allocator.get("default", []) + by_allocator.get("glake", [])

@@ -120,6 +120,24 @@ class AllocatorShare(unittest.TestCase):
                 allocator_share.main(["--mapping", "async", path])
             self.assertIn("async mapping only", out.getvalue())
 
+    def test_defaults_only_files_give_their_default_runs_alone(self):
+        with tempfile.TemporaryDirectory() as directory:
+            now, before = os.path.join(directory, "now.jsonl"), os.path.join(directory, "before.jsonl")
+            with open(now, "w") as f:
+                f.write(json.dumps(GLAKE) + "\n")
+            old_glake = dict(GLAKE, step_allocator_ms=[90.0, 9.0, 2.5, 4.0, 3.0, 50.0])
+            with open(before, "w") as f:
+                for r in (DEFAULT, old_glake, OTHER_HOST):
+                    f.write(json.dumps(r) + "\n")
+            workloads, defaults = allocator_share.load([now], defaults_only=[before])
+            self.assertEqual(workloads["opt1.3b LR"]["glake"], [GLAKE])  # not the old version's
+            self.assertEqual(workloads["opt1.3b LR"]["default"], [DEFAULT])
+            self.assertEqual(len(defaults["opt1.3b LR"]), 2)  # both default runs as host conditions
+            out = io.StringIO()
+            with redirect_stdout(out):
+                allocator_share.main([now, "--defaults-only", before])
+            self.assertIn("| opt1.3b LR | 1, 1 |", out.getvalue())
+
     def test_neutral_steps_count_with_ratio_one(self):
         c = allocator_share.compare([DEFAULT], [GLAKE], [DEFAULT, OTHER_HOST], neutral=(5,))
         self.assertEqual(c["implied"], [1.0, 1.0])  # step 5 was glake's only costly step
