@@ -1239,7 +1239,6 @@ class stitching_allocator {
     }
   }
 
-  // The device is synchronized: every free so far has completed.
   // The only places the host blocks on the device; each counts in statistics::device_waits.
   void wait_for(const event_type& e) noexcept {
     ++counters_.s.device_waits;
@@ -1250,6 +1249,7 @@ class stitching_allocator {
     backend_.reserver().synchronize_device();
   }
 
+  // The device is synchronized: every free so far has completed.
   void synchronize_all() noexcept {
     if constexpr (has_events) {
       synchronize_device();
