@@ -1232,11 +1232,16 @@ class stitching_allocator {
           complete = false;
         }
         if (!complete) break;
-        c.done = c.in_flight.front().first;
-        backend_.reserver().recycle_event(c.in_flight.front().second);
-        c.in_flight.pop_front();
+        retire_oldest(c);
       }
     }
+  }
+
+  // `c`'s oldest event has completed: every mark up to its mark has.
+  void retire_oldest(stream_clock& c) noexcept {
+    c.done = c.in_flight.front().first;
+    backend_.reserver().recycle_event(c.in_flight.front().second);
+    c.in_flight.pop_front();
   }
 
   // The only places the host blocks on the device; each counts in statistics::device_waits.
@@ -1351,11 +1356,7 @@ class stitching_allocator {
         wait_for(it->second);
         // The stream ran in order: that event's work and every earlier one's are done.
         const std::uint64_t through = it->first;
-        while (!c.in_flight.empty() && c.in_flight.front().first <= through) {
-          backend_.reserver().recycle_event(c.in_flight.front().second);
-          c.in_flight.pop_front();
-        }
-        c.done = std::max(c.done, through);
+        while (!c.in_flight.empty() && c.in_flight.front().first <= through) retire_oldest(c);
       }
       return true;
     } else {
