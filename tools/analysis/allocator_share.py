@@ -147,13 +147,14 @@ def load(paths, mapping="any", defaults_only=()):
     Files in `defaults_only` give their default runs alone: earlier runs as host conditions and as
     the default side, without another allocator version's glake runs."""
     workloads, defaults = {}, {}
-    for path in list(paths) + list(defaults_only):
+    sources = [(path, False) for path in paths] + [(path, True) for path in defaults_only if path not in paths]
+    for path, only_defaults in sources:
         with open(path) as f:
             for line in f:
                 r = json.loads(line)
                 if r.get("status") != "ok":
                     continue
-                if path in defaults_only and path not in paths and r.get("allocator") != "default":
+                if only_defaults and r.get("allocator") != "default":
                     continue
                 if r.get("allocator") == "glake" and mapping != "any" and maps_on_helper(r) != (mapping == "async"):
                     continue
