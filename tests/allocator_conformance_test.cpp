@@ -133,6 +133,30 @@ TEST_CASE_TEMPLATE("allocator conformance: a freed block is reused without new m
   }
 }
 
+TEST_CASE_TEMPLATE("allocator conformance: driver time is reported for exactly the kinds of call made", F,
+                   GLAKE_ALLOCATOR_FIXTURES) {
+  F f;
+  const auto check_kinds = [](const statistics& s) {
+    for (std::size_t k = 0; k < driver_call_kinds; ++k) {
+      CAPTURE(to_string(static_cast<driver_call>(k)));
+      CHECK((s.driver_time.ns[k] > 0) == (s.driver_calls.counts[k] > 0));
+    }
+  };
+  CHECK(f.allocator.stats().driver_time.total() == 0);
+  void* p = f.allocator.allocate(300 * MiB);  // new memory: create, reserve, map, set access
+  const statistics grown = f.allocator.stats();
+  CHECK(grown.driver_calls[driver_call::create] > 0);
+  check_kinds(grown);
+  f.allocator.deallocate(p, 300 * MiB);
+  void* q = f.allocator.allocate(300 * MiB);  // reused: no call, no time
+  CHECK(f.allocator.stats().driver_time.ns == grown.driver_time.ns);
+  f.allocator.deallocate(q, 300 * MiB);
+  f.allocator.release_cached();  // unmap, free the range, release
+  const statistics released = f.allocator.stats();
+  CHECK(released.driver_calls[driver_call::release] > 0);
+  check_kinds(released);
+}
+
 TEST_CASE_TEMPLATE("allocator conformance: zero-size requests give null, and null frees nothing", F,
                    GLAKE_ALLOCATOR_FIXTURES) {
   F f;

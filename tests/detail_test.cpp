@@ -1,14 +1,17 @@
 // The internal building blocks: the node pool, the block arena and the VMM backend's remapping.
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "glake/backends/sim.hpp"
 #include "glake/detail/block_arena.hpp"
+#include "glake/detail/driver_meter.hpp"
 #include "glake/detail/node_pool.hpp"
 #include "glake/detail/vmm_backend.hpp"
 
@@ -187,9 +190,9 @@ TEST_CASE("vmm_backend: try_restitch replaces and appends handles within the res
   const auto calls = backend.calls();
   const std::vector<change> changes = {{1, slot(3)}, {2, slot(4)}, {3, slot(5)}};
   REQUIRE(backend.try_restitch(base, 4 * chunk, layout, changes));
-  CHECK(backend.calls()[driver_call::map] - calls[driver_call::map] == 3);
-  CHECK(backend.calls()[driver_call::unmap] - calls[driver_call::unmap] == 1);
-  CHECK(backend.calls()[driver_call::set_access] - calls[driver_call::set_access] == 1);
+  CHECK(backend.calls()[glake::driver_call::map] - calls[glake::driver_call::map] == 3);
+  CHECK(backend.calls()[glake::driver_call::unmap] - calls[glake::driver_call::unmap] == 1);
+  CHECK(backend.calls()[glake::driver_call::set_access] - calls[glake::driver_call::set_access] == 1);
   CHECK(handle_at(0) == slot(0).handle.id);
   CHECK(handle_at(1) == slot(3).handle.id);
   CHECK(handle_at(2) == slot(4).handle.id);
@@ -201,4 +204,31 @@ TEST_CASE("vmm_backend: try_restitch replaces and appends handles within the res
   CHECK(device.live_mappings() == 0);
   CHECK(device.reserved_bytes() == 0);
   CHECK(device.violations() == 0);
+}
+
+TEST_CASE("driver_meter: each call is counted and timed under its kind, a throwing one too") {
+  using namespace std::chrono_literals;
+  glake::detail::driver_meter meter;
+  const int result = meter(glake::driver_call::map, [] {
+    std::this_thread::sleep_for(3ms);
+    return 42;
+  });
+  CHECK(result == 42);  // the call's result comes back
+  CHECK(meter.counts()[glake::driver_call::map] == 1);
+  CHECK(meter.times()[glake::driver_call::map] >= 3'000'000);
+  CHECK(meter.counts().total() == 1);
+  CHECK(meter.times().total() == meter.times()[glake::driver_call::map]);
+
+  const std::uint64_t map_time = meter.times()[glake::driver_call::map];
+  CHECK_THROWS_AS(meter(glake::driver_call::unmap,
+                        []() -> int {
+                          std::this_thread::sleep_for(2ms);
+                          throw std::runtime_error("driver error");
+                        }),
+                  std::runtime_error);
+  CHECK(meter.counts()[glake::driver_call::unmap] == 1);
+  CHECK(meter.times()[glake::driver_call::unmap] >= 2'000'000);
+  CHECK(meter.times()[glake::driver_call::map] == map_time);  // other kinds untouched
+  CHECK(meter.counts()[glake::driver_call::create] == 0);
+  CHECK(meter.times()[glake::driver_call::create] == 0);
 }

@@ -1,4 +1,5 @@
-// What an allocator reports about itself: bytes in use and reserved, event counts, driver calls.
+// What an allocator reports about itself: bytes in use and reserved, event counts, driver calls
+// and the time spent in them.
 #pragma once
 
 #include <array>
@@ -42,6 +43,20 @@ struct driver_call_counts {
   friend bool operator==(const driver_call_counts&, const driver_call_counts&) = default;
 };
 
+/// Host time spent in backend calls by kind, in nanoseconds (steady clock, the call's own
+/// duration: what the calling thread waited for the driver).
+struct driver_call_times {
+  std::array<std::uint64_t, driver_call_kinds> ns{};
+
+  std::uint64_t& operator[](driver_call call) noexcept { return ns[static_cast<std::size_t>(call)]; }
+  std::uint64_t operator[](driver_call call) const noexcept { return ns[static_cast<std::size_t>(call)]; }
+  std::uint64_t total() const noexcept {
+    std::uint64_t sum = 0;
+    for (auto t : ns) sum += t;
+    return sum;
+  }
+};
+
 /// A snapshot of an allocator's accounting. "Active" bytes are what callers asked for and still
 /// hold; "reserved" bytes are the physical memory the allocator holds from its backend, whether
 /// in use or cached. A stitched block's memory is counted once, through the physical memory it
@@ -74,6 +89,7 @@ struct statistics {
                                          ///< synchronize or an event wait) before reusing or
                                          ///< releasing memory
   driver_call_counts driver_calls{};
+  driver_call_times driver_time{};
 };
 
 }  // namespace glake

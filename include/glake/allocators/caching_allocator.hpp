@@ -350,6 +350,7 @@ class caching_allocator {
     s.splits = arena_.splits();
     s.merges = arena_.merges();
     if constexpr (requires { source_.calls(); }) s.driver_calls = source_.calls();
+    if constexpr (requires { source_.call_times(); }) s.driver_time = source_.call_times();
     return s;
   }
 

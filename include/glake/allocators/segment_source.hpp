@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "glake/backends/concepts.hpp"
+#include "glake/detail/driver_meter.hpp"
 #include "glake/detail/vmm_backend.hpp"
 #include "glake/statistics.hpp"
 #include "glake/stream.hpp"
@@ -29,7 +30,8 @@ namespace glake {
 // |                                |             |                | false when out of memory
 // | s.release(lease)               | void        | no             | gives the segment back
 //
-// Optional: `cs.calls()` returning driver_call_counts, reported in the allocator's statistics.
+// Optional: `cs.calls()` returning driver_call_counts and `cs.call_times()` returning
+// driver_call_times, reported in the allocator's statistics.
 // ---------------------------------------------------------------------------------------------
 template <class S>
 concept segment_source =
@@ -69,6 +71,7 @@ class vmm_segment_source {
   }
   void release(lease_type& lease) noexcept { backend_.destroy_segment(lease); }
   const driver_call_counts& calls() const noexcept { return backend_.calls(); }
+  const driver_call_times& call_times() const noexcept { return backend_.call_times(); }
   std::size_t memory_limit() const noexcept { return backend_.memory_limit(); }
 
  private:
@@ -111,25 +114,23 @@ class expandable_segment_source {
 
   std::size_t granularity() const noexcept { return page_; }
   std::size_t memory_limit() const noexcept { return limit_; }
-  const driver_call_counts& calls() const noexcept { return calls_; }
+  const driver_call_counts& calls() const noexcept { return meter_.counts(); }
+  const driver_call_times& call_times() const noexcept { return meter_.times(); }
 
   bool try_acquire(std::size_t bytes, stream_ref, lease_type& out) {
     if (bytes > virtual_size_) return false;
-    ++calls_[driver_call::reserve];
-    void* base = reserver_.try_reserve(virtual_size_);
+    void* base = meter_(driver_call::reserve, [&] { return reserver_.try_reserve(virtual_size_); });
     if (base == nullptr) return false;
     lease_type lease;
     lease.base = reinterpret_cast<std::uintptr_t>(base);
     lease.reserved = virtual_size_;
     try {
       if (!try_extend(lease, bytes)) {
-        ++calls_[driver_call::address_free];
-        reserver_.free(base, virtual_size_);
+        free_range(base, virtual_size_);
         return false;
       }
     } catch (...) {
-      ++calls_[driver_call::address_free];
-      reserver_.free(base, virtual_size_);
+      free_range(base, virtual_size_);
       throw;
     }
     out = std::move(lease);
@@ -144,29 +145,21 @@ class expandable_segment_source {
     std::size_t created = 0, mapped = 0;
     auto at = [&](std::size_t i) { return reinterpret_cast<void*>(lease.base + (first + i) * page_); };
     auto undo = [&]() noexcept {
-      for (std::size_t i = mapped; i-- > 0;) {
-        ++calls_[driver_call::unmap];
-        reserver_.unmap(at(i), page_);
-      }
-      for (std::size_t i = created; i-- > 0;) {
-        ++calls_[driver_call::release];
-        provider_.release(lease.pages[first + i]);
-      }
+      for (std::size_t i = mapped; i-- > 0;) unmap(at(i));
+      for (std::size_t i = created; i-- > 0;) release(lease.pages[first + i]);
       lease.pages.resize(first);
     };
     try {
       for (; created < count; ++created) {
-        ++calls_[driver_call::create];
-        auto h = provider_.try_create(page_);
+        auto h = meter_(driver_call::create, [&] { return provider_.try_create(page_); });
         if (!h) return undo(), false;
         lease.pages.push_back(*h);
       }
       for (; mapped < count; ++mapped) {
-        ++calls_[driver_call::map];
-        if (!reserver_.try_map(at(mapped), page_, lease.pages[first + mapped])) return undo(), false;
+        const auto& page = lease.pages[first + mapped];
+        if (!meter_(driver_call::map, [&] { return reserver_.try_map(at(mapped), page_, page); })) return undo(), false;
       }
-      ++calls_[driver_call::set_access];
-      if (!reserver_.try_set_access(at(0), bytes)) return undo(), false;
+      if (!meter_(driver_call::set_access, [&] { return reserver_.try_set_access(at(0), bytes); })) return undo(), false;
     } catch (...) {
       undo();
       throw;
@@ -177,28 +170,31 @@ class expandable_segment_source {
   }
 
   void release(lease_type& lease) noexcept {
-    for (std::size_t i = 0; i < lease.pages.size(); ++i) {
-      ++calls_[driver_call::unmap];
-      reserver_.unmap(reinterpret_cast<void*>(lease.base + i * page_), page_);
-    }
-    ++calls_[driver_call::address_free];
-    reserver_.free(reinterpret_cast<void*>(lease.base), lease.reserved);
-    for (auto& h : lease.pages) {
-      ++calls_[driver_call::release];
-      provider_.release(h);
-    }
+    for (std::size_t i = 0; i < lease.pages.size(); ++i) unmap(reinterpret_cast<void*>(lease.base + i * page_));
+    free_range(reinterpret_cast<void*>(lease.base), lease.reserved);
+    for (auto& h : lease.pages) release(h);
     physical_ -= lease.size;
     lease = lease_type{};
   }
 
  private:
+  void unmap(void* at) noexcept {
+    meter_(driver_call::unmap, [&]() noexcept { reserver_.unmap(at, page_); });
+  }
+  void free_range(void* base, std::size_t bytes) noexcept {
+    meter_(driver_call::address_free, [&]() noexcept { reserver_.free(base, bytes); });
+  }
+  void release(handle_type& handle) noexcept {
+    meter_(driver_call::release, [&]() noexcept { provider_.release(handle); });
+  }
+
   Provider provider_;
   Reserver reserver_;
   std::size_t page_;
   std::size_t virtual_size_;
   std::size_t limit_;
   std::size_t physical_ = 0;
-  driver_call_counts calls_{};
+  detail::driver_meter meter_;
 };
 
 }  // namespace glake

@@ -102,6 +102,7 @@ class segregator {
     s.device_waits = a.device_waits + b.device_waits;
     for (std::size_t k = 0; k < driver_call_kinds; ++k) {
       s.driver_calls.counts[k] = a.driver_calls.counts[k] + b.driver_calls.counts[k];
+      s.driver_time.ns[k] = a.driver_time.ns[k] + b.driver_time.ns[k];
     }
     return s;
   }

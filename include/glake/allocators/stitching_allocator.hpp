@@ -1552,6 +1552,7 @@ class stitching_allocator {
     s.splits = arena_.splits() + small.splits;
     s.merges = arena_.merges() + small.merges;
     s.driver_calls = backend_.calls();
+    s.driver_time = backend_.call_times();
     return s;
   }
 

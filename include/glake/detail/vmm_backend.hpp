@@ -1,5 +1,5 @@
 // A provider and reserver pair used together: segments of chunks and stitched mappings made and
-// unmade with full rollback, every call counted, physical bytes held against a limit.
+// unmade with full rollback, every call counted and timed, physical bytes held against a limit.
 #pragma once
 
 #include <algorithm>
@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "glake/backends/concepts.hpp"
+#include "glake/detail/driver_meter.hpp"
 #include "glake/statistics.hpp"
 
 namespace glake::detail {
@@ -66,7 +67,8 @@ class vmm_backend {
   }
   std::size_t physical_bytes() const noexcept { return physical_bytes_; }
   std::size_t memory_limit() const noexcept { return limit_; }
-  const driver_call_counts& calls() const noexcept { return calls_; }
+  const driver_call_counts& calls() const noexcept { return meter_.counts(); }
+  const driver_call_times& call_times() const noexcept { return meter_.times(); }
   Provider& provider() noexcept { return provider_; }
   Reserver& reserver() noexcept { return reserver_; }
 
@@ -93,23 +95,16 @@ class vmm_backend {
     };
     try {
       for (; created < count; ++created) {
-        ++calls_[driver_call::create];
-        auto h = provider_.try_create(slots[created].size);
+        auto h = meter_(driver_call::create, [&] { return provider_.try_create(slots[created].size); });
         if (!h) return undo(), false;
         slots[created].handle = *h;
       }
-      ++calls_[driver_call::reserve];
-      base = reserver_.try_reserve(bytes);
+      base = meter_(driver_call::reserve, [&] { return reserver_.try_reserve(bytes); });
       if (base == nullptr) return undo(), false;
       for (; mapped < count; ++mapped) {
-        ++calls_[driver_call::map];
-        const auto& slot = slots[mapped];
-        if (!reserver_.try_map(static_cast<char*>(base) + slot.offset, slot.size, slot.handle)) {
-          return undo(), false;
-        }
+        if (!map(static_cast<char*>(base) + slots[mapped].offset, slots[mapped])) return undo(), false;
       }
-      ++calls_[driver_call::set_access];
-      if (!reserver_.try_set_access(base, bytes)) return undo(), false;
+      if (!set_access(base, bytes)) return undo(), false;
     } catch (...) {
       undo();
       throw;
@@ -143,8 +138,7 @@ class vmm_backend {
     std::size_t bytes = 0;
     for (const auto& h : handles) bytes += h.size;
     const std::size_t reserved = std::max(bytes, reserve);
-    ++calls_[driver_call::reserve];
-    void* base = reserver_.try_reserve(reserved);
+    void* base = meter_(driver_call::reserve, [&] { return reserver_.try_reserve(reserved); });
     if (base == nullptr) return nullptr;
     std::size_t mapped = 0, offset = 0;
     auto undo = [&]() noexcept {
@@ -157,14 +151,10 @@ class vmm_backend {
     };
     try {
       for (; mapped < handles.size(); ++mapped) {
-        ++calls_[driver_call::map];
-        if (!reserver_.try_map(static_cast<char*>(base) + offset, handles[mapped].size, handles[mapped].handle)) {
-          return undo(), nullptr;
-        }
+        if (!map(static_cast<char*>(base) + offset, handles[mapped])) return undo(), nullptr;
         offset += handles[mapped].size;
       }
-      ++calls_[driver_call::set_access];
-      if (!reserver_.try_set_access(base, bytes)) return undo(), nullptr;
+      if (!set_access(base, bytes)) return undo(), nullptr;
     } catch (...) {
       undo();
       throw;
@@ -227,8 +217,7 @@ class vmm_backend {
           unmap(at0 + at, layout[i].size);
           hole = true;
         }
-        ++calls_[driver_call::map];
-        if (!reserver_.try_map(at0 + at, change.slot.size, change.slot.handle)) return undo(), false;
+        if (!map(at0 + at, change.slot)) return undo(), false;
         hole = false;
         ++applied;
         at += change.slot.size;
@@ -240,8 +229,7 @@ class vmm_backend {
         for (; i < changes[c].index; ++i) at += layout[i].size;
         std::size_t run = 0;
         for (; c < changes.size() && changes[c].index == i; ++c, ++i) run += changes[c].slot.size;
-        ++calls_[driver_call::set_access];
-        if (!reserver_.try_set_access(at0 + at, run)) return undo(), false;
+        if (!set_access(at0 + at, run)) return undo(), false;
         at += run;
       }
     } catch (...) {
@@ -264,24 +252,27 @@ class vmm_backend {
     return c;
   }
 
+  bool map(void* at, const handle_slot<handle_type>& slot) {
+    return meter_(driver_call::map, [&] { return reserver_.try_map(at, slot.size, slot.handle); });
+  }
+  bool set_access(void* at, std::size_t bytes) {
+    return meter_(driver_call::set_access, [&] { return reserver_.try_set_access(at, bytes); });
+  }
   void unmap(void* at, std::size_t bytes) noexcept {
-    ++calls_[driver_call::unmap];
-    reserver_.unmap(at, bytes);
+    meter_(driver_call::unmap, [&]() noexcept { reserver_.unmap(at, bytes); });
   }
   void free_range(void* base, std::size_t bytes) noexcept {
-    ++calls_[driver_call::address_free];
-    reserver_.free(base, bytes);
+    meter_(driver_call::address_free, [&]() noexcept { reserver_.free(base, bytes); });
   }
   void release(handle_type& handle) noexcept {
-    ++calls_[driver_call::release];
-    provider_.release(handle);
+    meter_(driver_call::release, [&]() noexcept { provider_.release(handle); });
   }
 
   Provider provider_;
   Reserver reserver_;
   std::size_t limit_ = 0;
   std::size_t physical_bytes_ = 0;
-  driver_call_counts calls_{};
+  driver_meter meter_;
 };
 
 }  // namespace glake::detail
