@@ -214,6 +214,11 @@ TEST_CASE("pluggable_allocator: statistics in the order of the names; resettable
   CHECK(s.at("driver_create") == direct.driver_calls[driver_call::create]);
   CHECK(s.at("driver_map") == direct.driver_calls[driver_call::map]);
   CHECK(s.at("driver_set_access") == direct.driver_calls[driver_call::set_access]);
+  CHECK(s.at("driver_create_ns") == direct.driver_time[driver_call::create]);
+  CHECK(s.at("driver_map_ns") == direct.driver_time[driver_call::map]);
+  CHECK(s.at("driver_set_access_ns") == direct.driver_time[driver_call::set_access]);
+  CHECK(s.at("driver_map_ns") > 0);
+  CHECK(s.at("driver_unmap_ns") == 0);  // nothing unmapped yet
   CHECK(s.at("device_waits") == direct.device_waits);
   CHECK(s.at("lifetime_peak_reserved_bytes") == 18 * MiB);
 

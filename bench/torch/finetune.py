@@ -330,6 +330,9 @@ def run_training(args, result, device):
     # (read after the step's clock stops), so step times can be told apart by whether the
     # allocator went to the driver.
     step_calls, step_stitches, step_repairs, step_grows, step_waits, step_host_ms = [], [], [], [], [], []
+    # Per driver call kind (create, map, set_access, ...): calls and host milliseconds in each step,
+    # from the plug-in's driver_<kind> and driver_<kind>_ns statistics (kinds with no call left out).
+    step_kind_calls, step_kind_ms = {}, {}
     last = glake.stats(device) if glake is not None else None
     last_host = glake.host_time() if glake is not None else None
     # --allocator-timing: host time inside the allocator's calls (allocations and frees) per step
@@ -404,6 +407,11 @@ def run_training(args, result, device):
                 step_repairs.append(now["stitch_repairs"] - last["stitch_repairs"])
                 step_grows.append(now.get("stitch_grows", 0) - last.get("stitch_grows", 0))
                 step_waits.append(now.get("device_waits", 0) - last.get("device_waits", 0))
+                for name, value in now.items():
+                    if name.startswith("driver_") and name.endswith("_ns") and name != "driver_calls":
+                        kind = name[len("driver_"):-len("_ns")]
+                        step_kind_calls.setdefault(kind, []).append(now[f"driver_{kind}"] - last[f"driver_{kind}"])
+                        step_kind_ms.setdefault(kind, []).append(round((value - last[name]) / 1e6, 3))
                 last = now
                 if last_host is not None:
                     host = glake.host_time()
@@ -433,6 +441,10 @@ def run_training(args, result, device):
         if glake is not None:
             result.update(step_driver_calls=step_calls, step_stitches=step_stitches, step_stitch_repairs=step_repairs,
                           step_stitch_grows=step_grows, step_device_waits=step_waits)
+            if step_kind_ms:
+                used = [k for k in step_kind_calls if any(step_kind_calls[k])]
+                result.update(step_driver_kind_calls={k: step_kind_calls[k] for k in used},
+                              step_driver_kind_ms={k: step_kind_ms[k] for k in used})
             if last_host is not None:
                 result["step_allocator_host_ms"] = step_host_ms
         if timing is not None:

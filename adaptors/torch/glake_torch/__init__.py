@@ -246,8 +246,9 @@ def _device_index(device):
 def stats(device=None):
     """glake's statistics of `device` (default: the current one) as a dict: the allocator's
     counters (active_bytes, peak_active_bytes = requested bytes; reserved_bytes, peak_reserved_bytes
-    = physical bytes held; stitches, segments, driver calls by kind, failed_allocations = out of
-    memory), lifetime peaks, "errors" (swallowed failures), plus "driver_calls" (all kinds) and
+    = physical bytes held; stitches, segments, driver calls by kind (driver_map, ...) and the host
+    nanoseconds spent in them (driver_map_ns, ...), failed_allocations = out of memory), lifetime
+    peaks, "errors" (swallowed failures), plus "driver_calls" and "driver_ns" (all kinds) and
     "utilization" (peak active / peak reserved)."""
     lib = load()
     index = _device_index(device)
@@ -256,7 +257,8 @@ def stats(device=None):
     if count == 0:
         raise ValueError(f"glake_torch: device {device!r} is out of range")
     result = dict(zip(_names, values[: min(count, len(_names))]))
-    result["driver_calls"] = sum(v for k, v in result.items() if k.startswith("driver_"))
+    result["driver_calls"] = sum(v for k, v in result.items() if k.startswith("driver_") and not k.endswith("_ns"))
+    result["driver_ns"] = sum(v for k, v in result.items() if k.startswith("driver_") and k.endswith("_ns"))
     reserved = result["peak_reserved_bytes"]
     result["utilization"] = result["peak_active_bytes"] / reserved if reserved else 0.0
     result["device"] = index

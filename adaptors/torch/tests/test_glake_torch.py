@@ -253,7 +253,11 @@ class Statistics(unittest.TestCase):
         self.assertEqual(s["peak_reserved_bytes"], 18 * MiB)
         self.assertAlmostEqual(s["utilization"], (16 * MiB + 100) / (18 * MiB))
         self.assertGreater(s["driver_create"], 0)
-        self.assertEqual(s["driver_calls"], sum(v for k, v in s.items() if k.startswith("driver_") and k != "driver_calls"))
+        counts = {k: v for k, v in s.items() if k.startswith("driver_") and k not in ("driver_calls", "driver_ns")}
+        self.assertEqual(s["driver_calls"], sum(v for k, v in counts.items() if not k.endswith("_ns")))
+        self.assertEqual(s["driver_ns"], sum(v for k, v in counts.items() if k.endswith("_ns")))
+        self.assertGreater(s["driver_map_ns"], 0)  # time is kept for the kinds called, apart from their counts
+        self.assertEqual(s["driver_unmap_ns"], 0)
 
         glake_torch.empty_cache(device)  # a's segment was fully free: gone
         s = glake_torch.stats(device)

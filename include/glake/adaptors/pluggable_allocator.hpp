@@ -70,8 +70,9 @@ struct no_device_scope {
 };
 
 /// The names of the values pluggable_allocator::stats writes, in order: the fields of
-/// `statistics`, its driver calls by kind, then the adaptor's own.
-inline constexpr std::array<std::string_view, 31> pluggable_stat_names = {
+/// `statistics`, its driver calls by kind, the host nanoseconds spent in them by kind, then the
+/// adaptor's own.
+inline constexpr std::array<std::string_view, 38> pluggable_stat_names = {
     "active_bytes",        "peak_active_bytes",   "allocated_bytes",     "peak_allocated_bytes",
     "reserved_bytes",      "peak_reserved_bytes", "cached_stitch_bytes", "allocations",
     "deallocations",       "failed_allocations",  "splits",              "merges",
@@ -80,16 +81,24 @@ inline constexpr std::array<std::string_view, 31> pluggable_stat_names = {
     "device_waits",
     "driver_create",       "driver_release",      "driver_reserve",      "driver_address_free",
     "driver_map",          "driver_unmap",        "driver_set_access",
+    "driver_create_ns",    "driver_release_ns",   "driver_reserve_ns",   "driver_address_free_ns",
+    "driver_map_ns",       "driver_unmap_ns",     "driver_set_access_ns",
     "lifetime_peak_active_bytes", "lifetime_peak_reserved_bytes", "errors"};
 
 namespace detail {
-// The names after the 21 plain statistics are the driver calls in the order of `driver_call`.
+// The names after the 21 plain statistics are the driver calls in the order of `driver_call`,
+// then the same with "_ns": the time spent in them.
 constexpr bool driver_call_names_match() {
   for (std::size_t k = 0; k < driver_call_kinds; ++k) {
-    const std::string_view name = pluggable_stat_names[21 + k];
-    if (name.substr(0, 7) != "driver_" || name.substr(7) != to_string(static_cast<driver_call>(k))) return false;
+    const std::string_view kind = to_string(static_cast<driver_call>(k));
+    const std::string_view count = pluggable_stat_names[21 + k];
+    const std::string_view time = pluggable_stat_names[21 + driver_call_kinds + k];
+    if (count.substr(0, 7) != "driver_" || count.substr(7) != kind) return false;
+    if (time.substr(0, 7) != "driver_" || time.substr(7, kind.size()) != kind || time.substr(7 + kind.size()) != "_ns") {
+      return false;
+    }
   }
-  return pluggable_stat_names.size() == 21 + driver_call_kinds + 3;
+  return pluggable_stat_names.size() == 21 + 2 * driver_call_kinds + 3;
 }
 static_assert(driver_call_names_match(), "pluggable_stat_names is out of step with statistics");
 }  // namespace detail
@@ -401,6 +410,7 @@ class pluggable_allocator {
           v[i++] = value;
         }
         for (const std::uint64_t calls : st.driver_calls.counts) v[i++] = calls;
+        for (const std::uint64_t ns : st.driver_time.ns) v[i++] = ns;
         v[i++] = std::max<std::uint64_t>(s->lifetime_active.load(std::memory_order_relaxed), st.peak_active_bytes);
         v[i++] = std::max<std::uint64_t>(s->lifetime_reserved.load(std::memory_order_relaxed), st.peak_reserved_bytes);
       }
