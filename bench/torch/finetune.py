@@ -179,6 +179,18 @@ def current_cpu(path="/proc/thread-self/stat"):
         return None
 
 
+def driver_kind_deltas(now, last):
+    """{kind: (calls, milliseconds)} of each driver call kind between two glake_torch.stats()
+    snapshots, from the plug-in's driver_<kind> counts and driver_<kind>_ns times (the totals
+    driver_calls and driver_ns are not kinds)."""
+    out = {}
+    for name, value in now.items():
+        kind = name[len("driver_"):-len("_ns")] if name.startswith("driver_") and name.endswith("_ns") else None
+        if kind and f"driver_{kind}" in now:
+            out[kind] = (now[f"driver_{kind}"] - last[f"driver_{kind}"], round((value - last[name]) / 1e6, 3))
+    return out
+
+
 def median_step(times):
     """Median of steps 3..N (all steps when there are fewer than 3)."""
     tail = times[2:] if len(times) >= 3 else times
@@ -407,11 +419,9 @@ def run_training(args, result, device):
                 step_repairs.append(now["stitch_repairs"] - last["stitch_repairs"])
                 step_grows.append(now.get("stitch_grows", 0) - last.get("stitch_grows", 0))
                 step_waits.append(now.get("device_waits", 0) - last.get("device_waits", 0))
-                for name, value in now.items():
-                    if name.startswith("driver_") and name.endswith("_ns") and name != "driver_calls":
-                        kind = name[len("driver_"):-len("_ns")]
-                        step_kind_calls.setdefault(kind, []).append(now[f"driver_{kind}"] - last[f"driver_{kind}"])
-                        step_kind_ms.setdefault(kind, []).append(round((value - last[name]) / 1e6, 3))
+                for kind, (calls, ms) in driver_kind_deltas(now, last).items():
+                    step_kind_calls.setdefault(kind, []).append(calls)
+                    step_kind_ms.setdefault(kind, []).append(ms)
                 last = now
                 if last_host is not None:
                     host = glake.host_time()
@@ -442,9 +452,9 @@ def run_training(args, result, device):
             result.update(step_driver_calls=step_calls, step_stitches=step_stitches, step_stitch_repairs=step_repairs,
                           step_stitch_grows=step_grows, step_device_waits=step_waits)
             if step_kind_ms:
-                used = [k for k in step_kind_calls if any(step_kind_calls[k])]
-                result.update(step_driver_kind_calls={k: step_kind_calls[k] for k in used},
-                              step_driver_kind_ms={k: step_kind_ms[k] for k in used})
+                called = [k for k in step_kind_calls if any(step_kind_calls[k])]
+                result.update(step_driver_kind_calls={k: step_kind_calls[k] for k in called},
+                              step_driver_kind_ms={k: step_kind_ms[k] for k in called})
             if last_host is not None:
                 result["step_allocator_host_ms"] = step_host_ms
         if timing is not None:
