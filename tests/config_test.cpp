@@ -112,6 +112,7 @@ TEST_CASE("config: validate names the first broken rule and the value") {
        "multiple of 4096 (got 1000)"},
       {"max_handle not a page multiple", [](config& c) { c.max_handle = 5000; }, "max_handle",
        "multiple of 4096 (got 5000)"},
+      {"min_handles zero", [](config& c) { c.min_handles = 0; }, "min_handles", "must be >= 1 (got 0)"},
       {"memory_limit below small_segment", [](config& c) { c.memory_limit = 1 * MiB; },
        "memory_limit", "small_segment = 2097152"},
   };
@@ -139,6 +140,7 @@ TEST_CASE("config: validate accepts every boundary value") {
   config c;
   c.reuse_limit = 1.0;
   c.defrag_level = 2;
+  c.min_handles = 1;
   c.frag_limit = 0;
   c.auto_gc = 1;
   c.chunk_size = 4 * KiB;
@@ -164,7 +166,7 @@ TEST_CASE("config: apply sets every kind of setting") {
   const config c = applied(
       "stitching:false, frag_limit:64MiB, reuse_limit:2.5, defrag_level:2, auto_gc:8GiB,"
       "grow_stitch:true, small_limit:512KiB, small_segment:4MiB, round_to:1024, chunk_size:2MiB,"
-      "memory_limit:70GiB");
+      "memory_limit:70GiB, min_handles:2");
   CHECK_FALSE(c.stitching);
   CHECK(c.frag_limit == 64 * MiB);
   CHECK(c.reuse_limit == 2.5);
@@ -176,6 +178,7 @@ TEST_CASE("config: apply sets every kind of setting") {
   CHECK(c.round_to == 1024);
   CHECK(c.chunk_size == 2 * MiB);
   CHECK(c.memory_limit == 70 * GiB);
+  CHECK(c.min_handles == 2);
 }
 
 TEST_CASE("config: apply tolerates whitespace, empty entries and repeats") {
@@ -272,8 +275,8 @@ TEST_CASE("config: structural errors in the text say what is wrong") {
   // The list of valid keys names every setting.
   for (const char* key :
        {"stitching", "frag_limit", "reuse_limit", "defrag_level", "auto_gc", "grow_stitch",
-        "small_limit", "small_segment", "round_to", "chunk_size", "max_handle", "memory_limit",
-        "stitch_reserve"}) {
+        "small_limit", "small_segment", "round_to", "chunk_size", "max_handle", "min_handles",
+        "memory_limit", "stitch_reserve"}) {
     CAPTURE(key);
     CHECK(contains(unknown, key));
   }

@@ -458,6 +458,28 @@ TEST_CASE("stitching: max_handle builds new memory from few large handles, none 
   allocator.verify();
 }
 
+TEST_CASE("stitching: min_handles sets the largest share of its segment one handle may take") {
+  sim_device device(8 * GiB);
+  for (const auto& [min_handles, creates] : {std::pair{8, 8}, std::pair{2, 2}, std::pair{1, 2}, std::pair{16, 16}}) {
+    CAPTURE(min_handles);
+    config cfg;
+    cfg.max_handle = 1 * GiB;
+    cfg.min_handles = min_handles;
+    sim_stitching allocator(sim_provider{device}, sim_reserver{device}, cfg);
+    // 2 GiB: handles of 2 GiB / min_handles (1 GiB at most: max_handle still caps them).
+    void* p = allocator.allocate(2 * GiB);
+    CHECK(allocator.stats().driver_calls[driver_call::create] == static_cast<std::uint64_t>(creates));
+    void* q = allocator.allocate(24 * M);
+    const std::uint64_t small = allocator.stats().driver_calls[driver_call::create] - static_cast<std::uint64_t>(creates);
+    // 24 MiB: twelve 2 MiB handles with 8 or 16 (no handle above 3 or 1.5 MiB, 2 MiB the least);
+    // 8 + 8 + 8 with 2 (none above 12 MiB); 16 + 8 with 1.
+    CHECK(small == (min_handles >= 8 ? 12u : min_handles == 2 ? 3u : 2u));
+    allocator.deallocate(p, 2 * GiB);
+    allocator.deallocate(q, 24 * M);
+    allocator.verify();
+  }
+}
+
 TEST_CASE("stitching: with large handles only whole free handles are stitched, and the rest stays usable in place") {
   sim_device device(2 * GiB);
   config cfg = stitch_everything();

@@ -49,6 +49,9 @@ struct config {
                                          ///< 0 means the provider's granularity
   std::size_t max_handle = 0;            ///< new memory comes in handles of chunk_size x 2^k up
                                          ///< to this (fewer driver calls); 0 means chunk_size only
+  int min_handles = 8;                   ///< ... and none above 1/min_handles of its segment:
+                                         ///< a handle partly in use cannot be stitched, so more
+                                         ///< handles strand less memory, fewer cost fewer calls
   std::size_t memory_limit = 0;          ///< most physical bytes held; 0 means no limit
   double stitch_reserve = 2.0;           ///< address space reserved for a new stitched range, as
                                          ///< a multiple of its size: the excess lets the range,
@@ -114,6 +117,7 @@ void for_each_config_field(Config& c, Visitor&& visit) {
   visit(std::string_view{"round_to"}, c.round_to);
   visit(std::string_view{"chunk_size"}, c.chunk_size);
   visit(std::string_view{"max_handle"}, c.max_handle);
+  visit(std::string_view{"min_handles"}, c.min_handles);
   visit(std::string_view{"memory_limit"}, c.memory_limit);
   visit(std::string_view{"stitch_reserve"}, c.stitch_reserve);
 }
@@ -400,6 +404,7 @@ inline std::optional<config_issue> find_config_issue(const config& c) {
   if (c.max_handle % (4 * KiB) != 0) {
     return issue("max_handle", "must be 0 or a multiple of 4096 (got " + bytes(c.max_handle) + ")");
   }
+  if (c.min_handles < 1) return issue("min_handles", "must be >= 1" + got(c.min_handles));
   if (c.memory_limit != 0 && c.memory_limit < c.small_segment) {
     return issue("memory_limit",
                  "must be 0 (no limit) or >= small_segment = " + bytes(c.small_segment) + " (got " +

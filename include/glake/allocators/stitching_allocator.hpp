@@ -394,10 +394,12 @@ class stitching_allocator {
   // above max_handle; so a segment costs O(log) driver calls, not bytes / chunk.
   void plan_handles(std::size_t bytes) {
     handle_sizes_.clear();
-    // At most an eighth of the segment per handle: a handle partly in use cannot be stitched,
-    // so no handle may strand much of its segment; that still bounds a segment to ~16 handles.
+    // At most 1/min_handles of the segment per handle: a handle partly in use cannot be
+    // stitched, so no handle may strand much of its segment. Below max_handle that makes a
+    // segment min_handles to ~2 x min_handles handles.
+    const std::size_t share = bytes / static_cast<std::size_t>(config_.min_handles);
     std::size_t largest = chunk_;
-    while (largest * 2 <= max_handle_ && largest * 2 <= bytes / 8) largest *= 2;
+    while (largest * 2 <= max_handle_ && largest * 2 <= share) largest *= 2;
     for (std::size_t size = largest; bytes > 0;) {
       if (size <= bytes) {
         handle_sizes_.push_back(size);
