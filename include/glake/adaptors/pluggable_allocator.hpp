@@ -94,9 +94,8 @@ constexpr bool driver_call_names_match() {
     const std::string_view count = pluggable_stat_names[21 + k];
     const std::string_view time = pluggable_stat_names[21 + driver_call_kinds + k];
     if (count.substr(0, 7) != "driver_" || count.substr(7) != kind) return false;
-    if (time.substr(0, 7) != "driver_" || time.substr(7, kind.size()) != kind || time.substr(7 + kind.size()) != "_ns") {
-      return false;
-    }
+    if (time.substr(0, 7) != "driver_" || time.substr(7, kind.size()) != kind) return false;
+    if (time.substr(7 + kind.size()) != "_ns") return false;
   }
   return pluggable_stat_names.size() == 21 + 2 * driver_call_kinds + 3;
 }

@@ -157,9 +157,11 @@ class expandable_segment_source {
       }
       for (; mapped < count; ++mapped) {
         const auto& page = lease.pages[first + mapped];
-        if (!meter_(driver_call::map, [&] { return reserver_.try_map(at(mapped), page_, page); })) return undo(), false;
+        const bool ok = meter_(driver_call::map, [&] { return reserver_.try_map(at(mapped), page_, page); });
+        if (!ok) return undo(), false;
       }
-      if (!meter_(driver_call::set_access, [&] { return reserver_.try_set_access(at(0), bytes); })) return undo(), false;
+      const bool ok = meter_(driver_call::set_access, [&] { return reserver_.try_set_access(at(0), bytes); });
+      if (!ok) return undo(), false;
     } catch (...) {
       undo();
       throw;
@@ -170,7 +172,9 @@ class expandable_segment_source {
   }
 
   void release(lease_type& lease) noexcept {
-    for (std::size_t i = 0; i < lease.pages.size(); ++i) unmap(reinterpret_cast<void*>(lease.base + i * page_));
+    for (std::size_t i = 0; i < lease.pages.size(); ++i) {
+      unmap(reinterpret_cast<void*>(lease.base + i * page_));
+    }
     free_range(reinterpret_cast<void*>(lease.base), lease.reserved);
     for (auto& h : lease.pages) release(h);
     physical_ -= lease.size;

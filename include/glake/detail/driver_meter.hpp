@@ -14,7 +14,7 @@ namespace glake::detail {
 /// takes a microsecond or more, and never on an allocation that makes no call.
 class driver_meter {
  public:
-  /// Makes `call()` as a call of `kind` and returns what it returns.
+  /// Calls `call()`, counted and timed as a call of `kind`, and returns what it returns.
   template <class F>
   decltype(auto) operator()(driver_call kind, F&& call) {
     ++counts_[kind];
