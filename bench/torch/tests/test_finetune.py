@@ -552,7 +552,6 @@ class Report(unittest.TestCase):
         self.assertIn("X: choose from N,R,LR,LO", refused.stderr)
 
 
-
 class DriverKindDeltas(unittest.TestCase):
     def test_each_kind_gets_its_calls_and_milliseconds_and_the_totals_are_no_kind(self):
         last = {"driver_map": 10, "driver_map_ns": 5_000_000, "driver_set_access": 1, "driver_set_access_ns": 1_000_000,
@@ -560,6 +559,7 @@ class DriverKindDeltas(unittest.TestCase):
         now = {"driver_map": 14, "driver_map_ns": 7_500_000, "driver_set_access": 3, "driver_set_access_ns": 9_000_000,
                "driver_calls": 17, "driver_ns": 16_500_000, "stitches": 4}
         self.assertEqual(finetune.driver_kind_deltas(now, last), {"map": (4, 2.5), "set_access": (2, 8.0)})
+
 
 if __name__ == "__main__":
     unittest.main()
