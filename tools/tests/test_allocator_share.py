@@ -138,6 +138,16 @@ class AllocatorShare(unittest.TestCase):
                 allocator_share.main([now, "--defaults-only", before])
             self.assertIn("| opt1.3b LR | 1, 1 |", out.getvalue())
 
+    def test_a_file_given_as_results_and_after_defaults_only_is_read_once(self):
+        with tempfile.TemporaryDirectory() as directory:
+            path = os.path.join(directory, "runs.jsonl")
+            with open(path, "w") as f:
+                for r in (DEFAULT, GLAKE, OTHER_HOST):
+                    f.write(json.dumps(r) + "\n")
+            workloads, defaults = allocator_share.load([path], defaults_only=[path])
+            self.assertEqual(len(defaults["opt1.3b LR"]), 2)  # not 4
+            self.assertEqual(workloads["opt1.3b LR"]["glake"], [GLAKE])
+
     def test_neutral_steps_count_with_ratio_one(self):
         c = allocator_share.compare([DEFAULT], [GLAKE], [DEFAULT, OTHER_HOST], neutral=(5,))
         self.assertEqual(c["implied"], [1.0, 1.0])  # step 5 was glake's only costly step
