@@ -25,6 +25,13 @@ OTHER_HOST = dict(DEFAULT, step_times_s=[1.0, 0.5, 0.3, 0.35, 0.6, 0.5])
 del OTHER_HOST["step_allocator_ms"], OTHER_HOST["step_allocator_calls"]
 
 
+def write_runs(path, runs):
+    """Writes `runs` to `path` as finetune.py does: one JSON object per line."""
+    with open(path, "w") as f:
+        for r in runs:
+            f.write(json.dumps(r) + "\n")
+
+
 class AllocatorShare(unittest.TestCase):
     def test_shares_and_cost_per_call_of_one_run(self):
         shares = allocator_share.step_shares(GLAKE)
@@ -74,9 +81,7 @@ class AllocatorShare(unittest.TestCase):
         fsdp = [dict(r, fsdp=True, rank=rank) for r in (DEFAULT, GLAKE) for rank in (0, 1)]
         with tempfile.TemporaryDirectory() as directory:
             path = os.path.join(directory, "fsdp.jsonl")
-            with open(path, "w") as f:
-                for r in fsdp + [OTHER_HOST]:
-                    f.write(json.dumps(r) + "\n")
+            write_runs(path, fsdp + [OTHER_HOST])
             workloads, defaults = allocator_share.load([path])
         self.assertEqual(sorted(workloads), ["opt1.3b LR FSDP rank 0", "opt1.3b LR FSDP rank 1"])
         self.assertEqual(len(defaults["opt1.3b LR FSDP rank 1"]), 1)
@@ -85,13 +90,9 @@ class AllocatorShare(unittest.TestCase):
     def test_table_uses_same_length_default_runs_as_realisations(self):
         with tempfile.TemporaryDirectory() as directory:
             timed, untimed = os.path.join(directory, "timed.jsonl"), os.path.join(directory, "old.jsonl")
-            with open(timed, "w") as f:
-                for r in (DEFAULT, GLAKE, dict(GLAKE, status="oom"), dict(DEFAULT, fsdp=True, rank=1)):
-                    f.write(json.dumps(r) + "\n")
-            with open(untimed, "w") as f:
-                for r in (OTHER_HOST, dict(OTHER_HOST, seq_lengths=[1] * 6), dict(OTHER_HOST, fsdp=True),
-                          dict(OTHER_HOST, strategy="N")):
-                    f.write(json.dumps(r) + "\n")
+            write_runs(timed, (DEFAULT, GLAKE, dict(GLAKE, status="oom"), dict(DEFAULT, fsdp=True, rank=1)))
+            write_runs(untimed, (OTHER_HOST, dict(OTHER_HOST, seq_lengths=[1] * 6), dict(OTHER_HOST, fsdp=True),
+                                 dict(OTHER_HOST, strategy="N")))
             out = io.StringIO()
             with redirect_stdout(out):
                 allocator_share.main([timed, untimed])
@@ -107,9 +108,7 @@ class AllocatorShare(unittest.TestCase):
         own = dict(GLAKE, glake_stats={"deferred_calls": 0})
         with tempfile.TemporaryDirectory() as directory:
             path = os.path.join(directory, "runs.jsonl")
-            with open(path, "w") as f:
-                for r in (DEFAULT, helper, own, dict(GLAKE, allocator="expandable")):
-                    f.write(json.dumps(r) + "\n")
+            write_runs(path, (DEFAULT, helper, own, dict(GLAKE, allocator="expandable")))
             for mapping, expected in (("any", [helper, own]), ("async", [helper]), ("sync", [own])):
                 workloads, defaults = allocator_share.load([path], mapping)
                 self.assertEqual(workloads["opt1.3b LR"]["glake"], expected, mapping)
@@ -123,12 +122,9 @@ class AllocatorShare(unittest.TestCase):
     def test_defaults_only_files_give_their_default_runs_alone(self):
         with tempfile.TemporaryDirectory() as directory:
             now, before = os.path.join(directory, "now.jsonl"), os.path.join(directory, "before.jsonl")
-            with open(now, "w") as f:
-                f.write(json.dumps(GLAKE) + "\n")
+            write_runs(now, [GLAKE])
             old_glake = dict(GLAKE, step_allocator_ms=[90.0, 9.0, 2.5, 4.0, 3.0, 50.0])
-            with open(before, "w") as f:
-                for r in (DEFAULT, old_glake, OTHER_HOST):
-                    f.write(json.dumps(r) + "\n")
+            write_runs(before, (DEFAULT, old_glake, OTHER_HOST))
             workloads, defaults = allocator_share.load([now], defaults_only=[before])
             self.assertEqual(workloads["opt1.3b LR"]["glake"], [GLAKE])  # not the old version's
             self.assertEqual(workloads["opt1.3b LR"]["default"], [DEFAULT])
@@ -141,9 +137,7 @@ class AllocatorShare(unittest.TestCase):
     def test_a_file_given_as_results_and_after_defaults_only_is_read_once(self):
         with tempfile.TemporaryDirectory() as directory:
             path = os.path.join(directory, "runs.jsonl")
-            with open(path, "w") as f:
-                for r in (DEFAULT, GLAKE, OTHER_HOST):
-                    f.write(json.dumps(r) + "\n")
+            write_runs(path, (DEFAULT, GLAKE, OTHER_HOST))
             workloads, defaults = allocator_share.load([path], defaults_only=[path])
             self.assertEqual(len(defaults["opt1.3b LR"]), 2)  # not 4
             self.assertEqual(workloads["opt1.3b LR"]["glake"], [GLAKE])
@@ -159,9 +153,7 @@ class AllocatorShare(unittest.TestCase):
     def test_options_print_each_steps_ratio_and_apply_neutral_steps(self):
         with tempfile.TemporaryDirectory() as directory:
             path = os.path.join(directory, "runs.jsonl")
-            with open(path, "w") as f:
-                for r in (DEFAULT, GLAKE, OTHER_HOST):
-                    f.write(json.dumps(r) + "\n")
+            write_runs(path, (DEFAULT, GLAKE, OTHER_HOST))
             out = io.StringIO()
             with redirect_stdout(out):
                 allocator_share.main(["--per-step", path, "--neutral", "5"])
