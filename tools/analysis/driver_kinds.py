@@ -90,8 +90,9 @@ def report(name, runs):
     for step, row in step_rows(runs):
         head = f"step {step}, {row['driver calls']:.0f} driver calls"
         head += f", allocator {row['allocator ms']:.0f} ms" if "allocator ms" in row else ""
-        parts = [f"{k} {c:.0f}/{m:.1f} ms" for k, v in row.items() if isinstance(v, tuple) and len(v) == 2
-                 for c, m in [v] if round(c)]
+        # A kind's entry is (calls, ms); the per-handle figure is a triple and follows below.
+        parts = [f"{k} {v[0]:.0f}/{v[1]:.1f} ms" for k, v in row.items()
+                 if isinstance(v, tuple) and len(v) == 2 and round(v[0])]
         if "set_access us per handle" in row:
             mid, low, high = row["set_access us per handle"]
             parts.append(f"set_access per handle {mid:.0f} us ({low:.0f}-{high:.0f})")
