@@ -70,6 +70,7 @@ TEST_CASE("config: the defaults are valid and follow GMLake") {
   CHECK(c.auto_gc == 1000 * GiB);
   CHECK_FALSE(c.grow_stitch);
   CHECK(c.stitch_reserve == 2.0);
+  CHECK(c.event_interval_us == 1000);
 }
 
 TEST_CASE("config: validate names the first broken rule and the value") {
@@ -113,6 +114,10 @@ TEST_CASE("config: validate names the first broken rule and the value") {
       {"max_handle not a page multiple", [](config& c) { c.max_handle = 5000; }, "max_handle",
        "multiple of 4096 (got 5000)"},
       {"min_handles zero", [](config& c) { c.min_handles = 0; }, "min_handles", "must be >= 1 (got 0)"},
+      {"event_interval_us negative", [](config& c) { c.event_interval_us = -1; }, "event_interval_us",
+       "must be from 0 to 1000000 (got -1)"},
+      {"event_interval_us above a second", [](config& c) { c.event_interval_us = 1'000'001; }, "event_interval_us",
+       "(got 1000001)"},
       {"memory_limit below small_segment", [](config& c) { c.memory_limit = 1 * MiB; },
        "memory_limit", "small_segment = 2097152"},
   };
@@ -141,6 +146,7 @@ TEST_CASE("config: validate accepts every boundary value") {
   c.reuse_limit = 1.0;
   c.defrag_level = 2;
   c.min_handles = 1;
+  c.event_interval_us = 0;
   c.frag_limit = 0;
   c.auto_gc = 1;
   c.chunk_size = 4 * KiB;
@@ -166,7 +172,7 @@ TEST_CASE("config: apply sets every kind of setting") {
   const config c = applied(
       "stitching:false, frag_limit:64MiB, reuse_limit:2.5, defrag_level:2, auto_gc:8GiB,"
       "grow_stitch:true, small_limit:512KiB, small_segment:4MiB, round_to:1024, chunk_size:2MiB,"
-      "memory_limit:70GiB, min_handles:2");
+      "memory_limit:70GiB, min_handles:2, event_interval_us:5000");
   CHECK_FALSE(c.stitching);
   CHECK(c.frag_limit == 64 * MiB);
   CHECK(c.reuse_limit == 2.5);
@@ -179,6 +185,7 @@ TEST_CASE("config: apply sets every kind of setting") {
   CHECK(c.chunk_size == 2 * MiB);
   CHECK(c.memory_limit == 70 * GiB);
   CHECK(c.min_handles == 2);
+  CHECK(c.event_interval_us == 5000);
 }
 
 TEST_CASE("config: apply tolerates whitespace, empty entries and repeats") {
@@ -276,7 +283,7 @@ TEST_CASE("config: structural errors in the text say what is wrong") {
   for (const char* key :
        {"stitching", "frag_limit", "reuse_limit", "defrag_level", "auto_gc", "grow_stitch",
         "small_limit", "small_segment", "round_to", "chunk_size", "max_handle", "min_handles",
-        "memory_limit", "stitch_reserve"}) {
+        "memory_limit", "stitch_reserve", "event_interval_us"}) {
     CAPTURE(key);
     CHECK(contains(unknown, key));
   }
@@ -331,6 +338,7 @@ TEST_CASE("config: to_string parses back to an equal config") {
   c.chunk_size = 2 * MiB;
   c.memory_limit = (std::size_t{5} << 40) + 4096;
   c.stitch_reserve = 1.25;
+  c.event_interval_us = 250;
   c.validate();
   const auto text = c.to_string();
   CAPTURE(text);

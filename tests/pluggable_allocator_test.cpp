@@ -220,6 +220,9 @@ TEST_CASE("pluggable_allocator: statistics in the order of the names; resettable
   CHECK(s.at("driver_map_ns") > 0);
   CHECK(s.at("driver_unmap_ns") == 0);  // nothing unmapped yet
   CHECK(s.at("device_waits") == direct.device_waits);
+  CHECK(s.at("events_recorded") == direct.events_recorded);
+  CHECK(s.at("event_queries") == direct.event_queries);
+  CHECK(s.at("event_ns") == direct.event_ns);
   CHECK(s.at("lifetime_peak_reserved_bytes") == 18 * MiB);
 
   plugin.release_cached(5);

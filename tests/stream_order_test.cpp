@@ -518,3 +518,28 @@ TEST_CASE("stream order: with several streams, calls query a stream's events at 
   CHECK(log.queried - before < calls);
   allocator.verify();
 }
+
+TEST_CASE("stream order: statistics count event records and queries; event_interval_us spaces a stream's events") {
+  for (const int interval : {0, 1'000'000}) {
+    CAPTURE(interval);
+    sim_device device(2 * GiB);
+    event_log log;
+    config cfg;
+    cfg.event_interval_us = interval;
+    evented_stitching allocator(sim_provider{device}, evented_reserver{device, log}, cfg);
+    void* on_b = allocator.allocate(8 * M, B);  // a second stream, without a free on it
+    REQUIRE(log.events.empty());
+    constexpr int frees = 10;
+    for (int i = 0; i < frees; ++i) allocator.deallocate(allocator.allocate(8 * M, A), 8 * M, A);
+    const statistics s = allocator.stats();
+    CHECK(s.events_recorded == log.events.size());
+    CHECK(s.event_queries == log.queried);
+    // No event completes here. Without an interval each free gets an event of its own, after a
+    // query of the pending one; with a second's, the first event covers the other nine frees.
+    CHECK(s.events_recorded == (interval == 0 ? frees : 1u));
+    CHECK(s.event_queries == (interval == 0 ? frees - 1u : 0u));
+    CHECK(s.device_waits == 0);
+    allocator.deallocate(on_b, 8 * M, B);
+    allocator.verify();
+  }
+}

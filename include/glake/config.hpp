@@ -57,6 +57,11 @@ struct config {
                                          ///< a multiple of its size: the excess lets the range,
                                          ///< once cached, grow in place for a larger request;
                                          ///< 1 means none
+  int event_interval_us = 1000;          ///< on backends with events, while a stream's last
+                                         ///< event is pending, its newer frees get one no
+                                         ///< sooner than this many microseconds after it: one
+                                         ///< event covers many frees (0: one per call that
+                                         ///< freed; each record and query is a driver call)
 
   /// Throws config_error naming the first setting that is out of range and why.
   void validate() const;
@@ -120,6 +125,7 @@ void for_each_config_field(Config& c, Visitor&& visit) {
   visit(std::string_view{"min_handles"}, c.min_handles);
   visit(std::string_view{"memory_limit"}, c.memory_limit);
   visit(std::string_view{"stitch_reserve"}, c.stitch_reserve);
+  visit(std::string_view{"event_interval_us"}, c.event_interval_us);
 }
 
 inline std::string_view trim(std::string_view text) {
@@ -405,6 +411,9 @@ inline std::optional<config_issue> find_config_issue(const config& c) {
     return issue("max_handle", "must be 0 or a multiple of 4096 (got " + bytes(c.max_handle) + ")");
   }
   if (c.min_handles < 1) return issue("min_handles", "must be >= 1" + got(c.min_handles));
+  if (c.event_interval_us < 0 || c.event_interval_us > 1'000'000) {
+    return issue("event_interval_us", "must be from 0 to 1000000" + got(c.event_interval_us));
+  }
   if (c.memory_limit != 0 && c.memory_limit < c.small_segment) {
     return issue("memory_limit",
                  "must be 0 (no limit) or >= small_segment = " + bytes(c.small_segment) + " (got " +

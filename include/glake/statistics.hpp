@@ -88,6 +88,10 @@ struct statistics {
   std::uint64_t device_waits = 0;        ///< times the host waited for the device (a device
                                          ///< synchronize or an event wait) before reusing or
                                          ///< releasing memory
+  std::uint64_t events_recorded = 0;     ///< events recorded on streams to learn when frees,
+                                         ///< record_stream uses or cached ranges' work complete
+  std::uint64_t event_queries = 0;       ///< those events asked whether they have completed
+  std::uint64_t event_ns = 0;            ///< host time in those records and queries
   driver_call_counts driver_calls{};
   driver_call_times driver_time{};
 };

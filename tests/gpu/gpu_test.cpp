@@ -346,6 +346,10 @@ TEST_CASE("gpu: a block still used by a kernel on another stream is not reused u
     allocator.deallocate(q, 8 * M, stream_ref{a});
     allocator.deallocate(r, 8 * M, stream_ref{a});
     allocator.verify();
+    const statistics st = allocator.stats();
+    CHECK(st.events_recorded >= 1);  // the event on b that held p's free back
+    CHECK(st.event_queries >= 1);    // asked until b was done
+    CHECK(st.event_ns > 0);          // real driver calls, timed
   }
   cudaStreamDestroy(a);
   cudaStreamDestroy(b);

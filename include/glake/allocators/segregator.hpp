@@ -100,6 +100,9 @@ class segregator {
     s.stitch_evictions = a.stitch_evictions + b.stitch_evictions;
     s.cross_stream_bytes = a.cross_stream_bytes + b.cross_stream_bytes;
     s.device_waits = a.device_waits + b.device_waits;
+    s.events_recorded = a.events_recorded + b.events_recorded;
+    s.event_queries = a.event_queries + b.event_queries;
+    s.event_ns = a.event_ns + b.event_ns;
     for (std::size_t k = 0; k < driver_call_kinds; ++k) {
       s.driver_calls.counts[k] = a.driver_calls.counts[k] + b.driver_calls.counts[k];
       s.driver_time.ns[k] = a.driver_time.ns[k] + b.driver_time.ns[k];

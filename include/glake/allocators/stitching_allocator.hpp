@@ -74,8 +74,9 @@ namespace glake {
 /// until they cover it. On backends with events (stream_ordered_reserver, e.g. CUDA) "completed"
 /// is an event recorded on the freeing stream, only during a call on that stream (a stream may be
 /// destroyed once its calls end), and only when none is in flight or the newest is older than
-/// `event_interval`, so one event covers many frees and a stream's events are queried at most
-/// once per interval, not on every call; with a single stream none is recorded. Without events (host, sim) a
+/// `event_interval_us`, so one event covers many frees and a stream's events are queried at most
+/// once per interval, not on every call; with a single stream none is recorded (statistics count
+/// the records and queries, and their host time). Without events (host, sim) a
 /// free completes when it returns. An allocation marked with record_stream is freed only once the work queued on
 /// those streams has completed; a cached stitched range is unmapped only once the work queued
 /// before its free has completed; physical memory is released only after the device is
@@ -121,7 +122,6 @@ class stitching_allocator {
     std::deque<std::pair<std::uint64_t, event_type>> in_flight;
     std::uint64_t wanted = 0;  ///< scratch for wait_for_other_streams: the newest mark it needs
   };
-  static constexpr std::chrono::microseconds event_interval{1000};
 
 
   struct segment : eviction_hook {
@@ -226,6 +226,7 @@ class stitching_allocator {
         backend_(std::move(provider), std::move(reserver), cfg.memory_limit),
         chunk_(chosen_chunk(config_, backend_.granularity())),
         max_handle_(chosen_max_handle(config_, chunk_)),
+        event_interval_(config_.event_interval_us),
         small_(small_source(this), small_rules(config_, chunk_)) {
     candidates_.reserve(max_candidates);
     candidate_sizes_.reserve(max_candidates);
@@ -605,7 +606,7 @@ class stitching_allocator {
   bool queue_drained(const stitched& s) noexcept {
     if constexpr (has_events) {
       try {
-        return s.has_free_event && backend_.reserver().event_done(s.free_event);
+        return s.has_free_event && event_done(s.free_event);
       } catch (...) {
         return false;
       }
@@ -1024,7 +1025,7 @@ class stitching_allocator {
     pending_.reserve(pending_.size() + 1);
     try {
       for (auto it = first; it != extra_uses_.end(); ++it) {
-        if (it->second != stream) pending.events.emplace_back(it->second, backend_.reserver().record_event(it->second));
+        if (it->second != stream) pending.events.emplace_back(it->second, record_event(it->second));
       }
     } catch (...) {
       for (const auto& [s, e] : pending.events) backend_.reserver().recycle_event(e);
@@ -1055,7 +1056,7 @@ class stitching_allocator {
             bool complete = false;
             if (!is_blocked(s)) {
               try {
-                complete = backend_.reserver().event_done(e);
+                complete = event_done(e);
               } catch (...) {
                 complete = false;
               }
@@ -1148,7 +1149,7 @@ class stitching_allocator {
     if constexpr (has_events) {
       // Work queued on the stream may still use the range: evict it only once this completes.
       try {
-        s.free_event = backend_.reserver().record_event(s.stream);
+        s.free_event = record_event(s.stream);
         s.has_free_event = true;
       } catch (...) {
         s.has_free_event = false;  // eviction will synchronize the stream instead
@@ -1196,18 +1197,18 @@ class stitching_allocator {
   }
 
   // During a call on `stream` (so it is alive): records an event for its frees that have none,
-  // unless an earlier one is pending and was recorded less than event_interval ago (then a later
-  // call records it): one query per call while events are in flight, at most ~1000 events a
-  // second per stream.
+  // unless an earlier one is pending and was recorded less than event_interval_us ago (then a
+  // later call records it), after polling the stream's pending ones. So a stream costs at most
+  // one record and one round of queries per interval (1 ms by default), however many calls.
   void tick([[maybe_unused]] stream_ref stream) noexcept {
     if constexpr (has_events) {
       stream_clock* c = clock_of(stream);
       if (c == nullptr || !c->dirty) return;
       const auto now = std::chrono::steady_clock::now();
-      if (!c->in_flight.empty() && now - c->recorded < event_interval) return;
+      if (!c->in_flight.empty() && now - c->recorded < event_interval_) return;
       poll(*c);
       try {
-        const event_type e = backend_.reserver().record_event(c->stream);
+        const event_type e = record_event(c->stream);
         try {
           c->in_flight.emplace_back(c->next, e);
           ++c->next;
@@ -1229,7 +1230,7 @@ class stitching_allocator {
       while (!c.in_flight.empty()) {
         bool complete = false;
         try {
-          complete = backend_.reserver().event_done(c.in_flight.front().second);
+          complete = event_done(c.in_flight.front().second);
         } catch (...) {
           complete = false;
         }
@@ -1244,6 +1245,18 @@ class stitching_allocator {
     c.done = c.in_flight.front().first;
     backend_.reserver().recycle_event(c.in_flight.front().second);
     c.in_flight.pop_front();
+  }
+
+  // Every event record and query goes through these: counted and timed in statistics.
+  event_type record_event(stream_ref stream) {
+    ++counters_.s.events_recorded;
+    const detail::stopwatch watch{counters_.s.event_ns};
+    return backend_.reserver().record_event(stream);
+  }
+  bool event_done(const event_type& e) {
+    ++counters_.s.event_queries;
+    const detail::stopwatch watch{counters_.s.event_ns};
+    return backend_.reserver().event_done(e);
   }
 
   // The only places the host blocks on the device; each counts in statistics::device_waits.
@@ -1407,7 +1420,7 @@ class stitching_allocator {
       if constexpr (has_events) {
         bool done = false;
         try {
-          done = s->has_free_event && backend_.reserver().event_done(s->free_event);
+          done = s->has_free_event && event_done(s->free_event);
         } catch (...) {
           done = false;
         }
@@ -1642,6 +1655,7 @@ class stitching_allocator {
   backend_type backend_;
   std::size_t chunk_;
   std::size_t max_handle_;
+  std::chrono::microseconds event_interval_;  ///< config's event_interval_us
   arena_type arena_;
   detail::node_pool<segment> segments_;
   detail::node_pool<stitched> stitches_;

@@ -9,6 +9,22 @@
 
 namespace glake::detail {
 
+/// Adds the steady-clock nanoseconds from its construction to its destruction to a counter.
+class stopwatch {
+ public:
+  explicit stopwatch(std::uint64_t& ns) noexcept : ns_(ns) {}
+  stopwatch(const stopwatch&) = delete;
+  stopwatch& operator=(const stopwatch&) = delete;
+  ~stopwatch() {
+    ns_ += static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_).count());
+  }
+
+ private:
+  std::uint64_t& ns_;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+};
+
 /// Every backend call goes through operator(): it is counted, then timed on the steady clock
 /// (failed and throwing calls too). Two clock reads per call: nothing beside a driver call that
 /// takes a microsecond or more, and never on an allocation that makes no call.
@@ -26,21 +42,6 @@ class driver_meter {
   const driver_call_times& times() const noexcept { return times_; }
 
  private:
-  class stopwatch {
-   public:
-    explicit stopwatch(std::uint64_t& ns) noexcept : ns_(ns) {}
-    stopwatch(const stopwatch&) = delete;
-    stopwatch& operator=(const stopwatch&) = delete;
-    ~stopwatch() {
-      ns_ += static_cast<std::uint64_t>(
-          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_).count());
-    }
-
-   private:
-    std::uint64_t& ns_;
-    std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
-  };
-
   driver_call_counts counts_{};
   driver_call_times times_{};
 };
