@@ -213,13 +213,15 @@ def child(args):
         os.sched_setaffinity(0, args.cpus)  # before torch starts any thread: they all inherit it
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = args.fake_world or int(os.environ.get("WORLD_SIZE", "1"))
     result = dict(
         model=args.model, strategy=args.strategy, allocator=args.allocator, steps=args.steps, batch=BATCH,
-        seed=SEED, fsdp=bool(args.fsdp), rank=rank, world_size=world, device=local_rank, status="error",
+        seed=SEED, fsdp=bool(args.fsdp or args.fake_world), rank=rank, world_size=world, device=local_rank, status="error",
         alloc_conf={k: os.environ[k] for k in ALLOC_CONF_VARIABLES if k in os.environ},
         cpus=sorted(os.sched_getaffinity(0)),
     )
+    if args.fake_world:
+        result["fake_world"] = args.fake_world
     try:
         run_training(args, result, local_rank)
     except BaseException as error:  # noqa: BLE001 - report whatever stopped the run
@@ -296,6 +298,11 @@ def run_training(args, result, device):
         import datetime
 
         dist.init_process_group("nccl", device_id=torch.device("cuda", device), timeout=datetime.timedelta(seconds=180))
+    elif args.fake_world:
+        import torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world)
 
     spec = dict(MODELS[args.model])
     config = getattr(transformers, CONFIG_CLASSES[spec.pop("kind")])(**spec)
@@ -322,7 +329,7 @@ def run_training(args, result, device):
         model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, task_type="CAUSAL_LM"))
         result["peft_version"] = peft.__version__
     model.train()
-    if args.fsdp:
+    if args.fsdp or args.fake_world:
         model, result["fsdp_api"] = shard(model, device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     result["trainable_params"] = sum(p.numel() for p in trainable)
@@ -342,6 +349,7 @@ def run_training(args, result, device):
     # (read after the step's clock stops), so step times can be told apart by whether the
     # allocator went to the driver.
     step_calls, step_stitches, step_repairs, step_grows, step_waits, step_host_ms = [], [], [], [], [], []
+    step_events, step_event_ms = [], []  # events glake recorded, and its ms in event records and queries
     # Per driver call kind (create, map, set_access, ...): calls and host milliseconds in each step,
     # from the plug-in's driver_<kind> and driver_<kind>_ns statistics (kinds with no call left out).
     step_kind_calls, step_kind_ms = {}, {}
@@ -419,6 +427,8 @@ def run_training(args, result, device):
                 step_repairs.append(now["stitch_repairs"] - last["stitch_repairs"])
                 step_grows.append(now.get("stitch_grows", 0) - last.get("stitch_grows", 0))
                 step_waits.append(now.get("device_waits", 0) - last.get("device_waits", 0))
+                step_events.append(now.get("events_recorded", 0) - last.get("events_recorded", 0))
+                step_event_ms.append(round((now.get("event_ns", 0) - last.get("event_ns", 0)) / 1e6, 3))
                 for kind, (calls, ms) in driver_kind_deltas(now, last).items():
                     step_kind_calls.setdefault(kind, []).append(calls)
                     step_kind_ms.setdefault(kind, []).append(ms)
@@ -450,7 +460,8 @@ def run_training(args, result, device):
                       step_queued_s=queued_times, step_cpu_s=step_cpu, step_steal_jiffies=step_steal)
         if glake is not None:
             result.update(step_driver_calls=step_calls, step_stitches=step_stitches, step_stitch_repairs=step_repairs,
-                          step_stitch_grows=step_grows, step_device_waits=step_waits)
+                          step_stitch_grows=step_grows, step_device_waits=step_waits, step_events_recorded=step_events,
+                          step_event_ms=step_event_ms)
             if step_kind_ms:
                 called = [k for k in step_kind_calls if any(step_kind_calls[k])]
                 result.update(step_driver_kind_calls={k: step_kind_calls[k] for k in called},
@@ -597,10 +608,11 @@ def drive(args, driver_command):
     print(f"{len(runs)} runs; child logs in {log_dir}", file=sys.stderr, flush=True)
     for index, (model, strategy, allocator, round_) in enumerate(runs, 1):
         again = f"-round{round_}" if args.repeat > 1 else ""
-        name = f"{model}-{strategy}-{allocator}" + (f"-fsdp{args.fsdp}" if args.fsdp else "") + again
+        name = f"{model}-{strategy}-{allocator}" + (f"-fsdp{args.fsdp}" if args.fsdp else "") + (
+            f"-fake{args.fake_world}" if args.fake_world else "") + again
         trace = None
         if args.trace_dir and allocator == "glake":
-            suffix = f"-fsdp{args.fsdp}-dev%d" if args.fsdp else ""
+            suffix = f"-fsdp{args.fsdp}-dev%d" if args.fsdp else f"-fake{args.fake_world}" if args.fake_world else ""
             trace = os.path.abspath(os.path.join(args.trace_dir, f"{model}-{strategy}{suffix}{again}.trace"))
         result_dir = tempfile.mkdtemp(prefix="finetune-")
         result_file = os.path.join(result_dir, "rank{rank}.json")
@@ -620,6 +632,8 @@ def drive(args, driver_command):
             common.append("--allocator-timing")
         if args.cpus:
             common += ["--cpus", ",".join(map(str, args.cpus))]
+        if args.fake_world:
+            common += ["--fake-world", str(args.fake_world)]
         if args.profile_steps:
             common += ["--profile-steps", ",".join(map(str, args.profile_steps)),
                        "--profile-dir", os.path.join(args.profile_dir, f"round{round_}") if args.repeat > 1 else args.profile_dir]
@@ -643,7 +657,7 @@ def drive(args, driver_command):
                 with open(path) as f:
                     found.append(json.loads(f.read()))
             else:
-                found.append(dict(model=model, strategy=strategy, allocator=allocator, rank=rank, fsdp=bool(args.fsdp),
+                found.append(dict(model=model, strategy=strategy, allocator=allocator, rank=rank, fsdp=bool(args.fsdp or args.fake_world),
                                   status="error", error=f"no result (exit {code}); see {log_path}"))
         for r in found:
             r["command"] = " ".join(shlex.quote(c) for c in command)
@@ -674,6 +688,13 @@ def run_child(command, env, log, timeout):
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
             return "timeout"
+
+
+def fsdp_label(r):
+    """How a result was sharded: "" (not), "FSDP", or "FSDP, fake world N" (--fake-world)."""
+    if not r.get("fsdp"):
+        return ""
+    return f"FSDP, fake world {r['fake_world']}" if r.get("fake_world") else "FSDP"
 
 
 def one_line(r):
@@ -758,7 +779,7 @@ def markdown(results, command):
     pairs' geometric mean with its 95% interval (tools/analysis/steptime_pairs.py)."""
     rows = {}
     for r in results:
-        key = (r["model"], r["strategy"], bool(r.get("fsdp")), r.get("rank", 0))
+        key = (r["model"], r["strategy"], fsdp_label(r), r.get("rank", 0))
         rows.setdefault(key, {}).setdefault(r["allocator"], []).append(r)
     allocators = [a for a in ALLOCATORS if any(a in v for v in rows.values())]
     first = next((r for r in results if r.get("gpu")), {})
@@ -803,7 +824,7 @@ def markdown(results, command):
         return text + (" (OOM)" if r.get("status") == "oom" and key == "peak_reserved_bytes" else "")
 
     for (model, strategy, fsdp, rank), by in sorted(rows.items()):
-        name = f"{model} {strategy}" + (f" FSDP rank {rank}" if fsdp else "")
+        name = f"{model} {strategy}" + (f" {fsdp} rank {rank}" if fsdp else "")
         row = [name]
         for a in allocators:
             r = shown_run(by.get(a))
@@ -883,6 +904,10 @@ def parse(argv):
     parser.add_argument("--trace-dir", help="glake runs record their requests here (GLAKE_TRACE) for glake-replay")
     parser.add_argument("--glake-conf", help="GLAKE_ALLOC_CONF for glake runs (default: the plug-in's defaults)")
     parser.add_argument("--fsdp", type=int, default=0, metavar="N", help="run each under torchrun with N processes, FSDP2")
+    parser.add_argument("--fake-world", type=int, default=0, metavar="N",
+                        help="one process per run, as rank 0 of an N-rank FSDP2 group on PyTorch's fake process group, whose "
+                        "collectives do nothing: rank 0's allocations and streams on one GPU, without communication (a "
+                        "proxy for --fsdp N on a machine with one GPU; results carry fake_world)")
     parser.add_argument("--timeout", type=float, default=540, help="seconds per run before it is killed (default 540)")
     parser.add_argument("--budget", type=float, help="start no new run after this many seconds (for command time limits)")
     parser.add_argument("--log-dir", help="where each run's output goes (default: a temporary directory)")
@@ -914,6 +939,8 @@ def parse(argv):
         parser.error("--steps must be at least 1")
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    if args.fake_world and (args.fsdp or args.fake_world < 2):
+        parser.error("--fake-world needs N >= 2 and no --fsdp")
     if args.profile_steps and not (args.profile_dir or args.log_dir):
         parser.error("--profile-steps needs --profile-dir or --log-dir")
     args.profile_dir = args.profile_dir or args.log_dir

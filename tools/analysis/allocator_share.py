@@ -129,9 +129,13 @@ def compare(default_runs, glake_runs, realisations=None, neutral=(), gates=True)
 
 
 def workload(run):
-    """The row a run belongs to: "opt1.3b N", or "opt1.3b N FSDP rank 1" for a rank of an FSDP run."""
+    """The row a run belongs to: "opt1.3b N", or "opt1.3b N FSDP rank 1" for a rank of an FSDP run
+    ("opt1.3b N FSDP, fake world 2 rank 0" for finetune.py --fake-world)."""
     name = f"{run['model']} {run['strategy']}"
-    return f"{name} FSDP rank {run.get('rank', 0)}" if run.get("fsdp") else name
+    if not run.get("fsdp"):
+        return name
+    fake = f", fake world {run['fake_world']}" if run.get("fake_world") else ""
+    return f"{name} FSDP{fake} rank {run.get('rank', 0)}"
 
 
 def maps_on_helper(run):

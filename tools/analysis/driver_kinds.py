@@ -24,7 +24,7 @@ MIN_MAPS = 20  # fewer maps in a step make set-access per handle mostly the call
 
 
 def workload(run):
-    fsdp = " FSDP" if run.get("fsdp") else ""
+    fsdp = (f" FSDP, fake world {run['fake_world']}" if run.get("fake_world") else " FSDP") if run.get("fsdp") else ""
     return f"{run['model']} {run['strategy']}{fsdp}"
 
 

@@ -87,6 +87,17 @@ class AllocatorShare(unittest.TestCase):
         self.assertEqual(len(defaults["opt1.3b LR FSDP rank 1"]), 1)
         self.assertEqual(len(defaults["opt1.3b LR"]), 1)  # a single-GPU run is no FSDP realisation
 
+    def test_fake_world_runs_are_no_fsdp_realisations(self):
+        fake = [dict(r, fsdp=True, rank=0, fake_world=2) for r in (DEFAULT, GLAKE)]
+        real = [dict(r, fsdp=True, rank=0) for r in (DEFAULT, GLAKE)]
+        with tempfile.TemporaryDirectory() as directory:
+            path = os.path.join(directory, "fsdp.jsonl")
+            write_runs(path, fake + real)
+            workloads, defaults = allocator_share.load([path])
+        self.assertEqual(sorted(workloads), ["opt1.3b LR FSDP rank 0", "opt1.3b LR FSDP, fake world 2 rank 0"])
+        self.assertEqual(len(defaults["opt1.3b LR FSDP rank 0"]), 1)
+        self.assertEqual(len(defaults["opt1.3b LR FSDP, fake world 2 rank 0"]), 1)
+
     def test_table_uses_same_length_default_runs_as_realisations(self):
         with tempfile.TemporaryDirectory() as directory:
             timed, untimed = os.path.join(directory, "timed.jsonl"), os.path.join(directory, "old.jsonl")

@@ -40,9 +40,12 @@ class FakeChildren:
         if (model, strategy, allocator) in self.missing:
             return 1
         ranks = int(next((c.split("=")[1] for c in command if c.startswith("--nproc_per_node=")), "1"))
+        fake_world = int(value_after(command, "--fake-world")) if "--fake-world" in command else 0
         for rank in range(ranks):
-            result = dict(model=model, strategy=strategy, allocator=allocator, rank=rank, fsdp=ranks > 1,
+            result = dict(model=model, strategy=strategy, allocator=allocator, rank=rank, fsdp=ranks > 1 or fake_world > 0,
                           status="ok", gpu="Fake H100", torch_version="2.11.0")
+            if fake_world:
+                result["fake_world"] = fake_world
             result.update(self.numbers(model, strategy, allocator))
             with open(value_after(command, "--result-file").replace("{rank}", str(rank)), "w") as f:
                 f.write(json.dumps(result) + "\n")
@@ -145,6 +148,24 @@ class Driver(unittest.TestCase):
         self.assertEqual(glake_env["GLAKE_TRACE"], os.path.join(directory, "traces", "pythia2.8b-LR-fsdp2-dev%d.trace"))
         self.assertEqual(sorted((r["allocator"], r["rank"]) for r in results),
                          [("default", 0), ("default", 1), ("glake", 0), ("glake", 1)])
+
+    def test_fake_world_runs_one_process_per_run_and_is_told_apart_from_fsdp(self):
+        children = FakeChildren(numbers)
+        results, _, _, _, directory = self.run_driver(
+            ["--fake-world", "2", "--models", "opt1.3b", "--strategies", "N", "--allocators", "default,glake"], children)
+        self.assertEqual(len(children.calls), 2)
+        for command, _ in children.calls:
+            self.assertNotIn("torch.distributed.run", command)  # no torchrun: one process, one GPU
+            self.assertNotIn("--fsdp", command)
+            self.assertEqual(value_after(command, "--fake-world"), "2")
+        self.assertEqual(children.calls[1][1]["GLAKE_TRACE"], os.path.join(directory, "traces", "opt1.3b-N-fake2.trace"))
+        self.assertEqual([(r["allocator"], r["rank"], r["fake_world"]) for r in results], [("default", 0, 2), ("glake", 0, 2)])
+        self.assertEqual(finetune.fsdp_label(results[0]), "FSDP, fake world 2")
+        self.assertEqual(finetune.fsdp_label(dict(results[0], fake_world=None)), "FSDP")
+        self.assertIn("| opt1.3b N FSDP, fake world 2 rank 0 |", finetune.markdown(results, "cmd"))
+        for bad in (["--fake-world", "1"], ["--fake-world", "2", "--fsdp", "2"]):
+            with self.assertRaises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+                finetune.parse(bad)
 
     def test_repeat_reverses_the_allocators_in_every_other_round(self):
         children = FakeChildren(numbers)
