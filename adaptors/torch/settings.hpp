@@ -32,9 +32,14 @@ inline constexpr std::pair<const char*, const char*> default_variables[] = {
 /// handles of the same size and grow by whole handles. bench/results/replay.md, "Handles of up to
 /// 8 MiB" and "Repair and growth with handles of several sizes", has the measurements;
 /// `max_handle:0` restores 2 MiB handles.
+/// Streams' events at most every 20 ms, not every 1 ms: under FSDP2 (rank 0 of two on the fake
+/// process group, one H100) the 1 ms default recorded and queried ~180 events per step, ~1.2 ms
+/// of host time; 20 ms leaves ~22 and ~0.24 ms, with the same memory and driver calls
+/// (bench/results/finetune.md, session 16). `event_interval_us:1000` restores the library's.
 inline config default_base() {
   config c;
   c.max_handle = 8 * MiB;
+  c.event_interval_us = 20'000;
   return c;
 }
 

@@ -144,6 +144,7 @@ inline config glake_config() {
   cfg.grow_stitch = true;
   cfg.reuse_limit = 2.0;
   cfg.max_handle = 8 * MiB;
+  cfg.event_interval_us = 20'000;  // the plug-in's; the simulated backend has no events
   return cfg;
 }
 

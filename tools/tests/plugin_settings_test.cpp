@@ -19,6 +19,7 @@ TEST_CASE("plug-in settings: the defaults are glake-replay's glake configuration
   CHECK(torch_plugin::settings_from(getenv) == replay::glake_config());
   CHECK(torch_plugin::settings_from(getenv) != config{});  // not just the library's defaults
   CHECK(torch_plugin::settings_from(getenv).max_handle == 8 * MiB);  // glake's own default
+  CHECK(torch_plugin::settings_from(getenv).event_interval_us == 20'000);  // and the events'
 
   env["GLAKE_ALLOC_CONF"] = "max_handle:0";  // 2 MiB handles only, as the library's default
   CHECK(torch_plugin::settings_from(getenv).max_handle == 0);
