@@ -38,6 +38,9 @@ Options (before or after the files):
     --per-step       also print each workload's r_k, step by step
     --neutral K,...  take r_k = 1 for these steps (numbered from 1) in the implied ratios: what
                      the target's quantity would be if glake cost no more than the default there
+    --glake-less-ms X  take X ms off glake's allocator time in every step (never below 0): what
+                     the target's quantity would be if each glake call cost that much less in all
+                     (an estimate for a change measured elsewhere, e.g. session 16's events)
     --mapping M      glake runs that mapped on a helper thread (async), those that did not (sync),
                      or all (any, the default); never pool the two where both are in the files
     --no-gates       for runs that mapped on a helper thread, leave out the time its gates held
@@ -62,14 +65,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 from finetune import step_list  # noqa: E402  (standard library only at import)
 
 
-def step_shares(run, gates=True):
-    """{step index: (share of the step in the allocator, ns per call)} for steps 3..N of one run.
+def step_shares(run, gates=True, less_ms=0.0):
+    """{step index: (share of the step in the allocator, ns per call)} for steps 3..N of one run,
+    with `less_ms` taken off each step's allocator time (never below 0).
     The allocator's time is its calls' host time plus, for glake mapping on a helper thread
     (session 12's experiment) and `gates`, the time its gates held streams (step_gate_wait_ms):
     added in full, as if the step had waited for all of it after the host's work, which is the
     most it can have cost (the host goes on launching while a stream is held). Without `gates`,
     the host's time only: the least."""
-    times, ms, calls = run.get("step_times_s") or [], run.get("step_allocator_ms") or [], run.get("step_allocator_calls") or []
+    times, calls = run.get("step_times_s") or [], run.get("step_allocator_calls") or []
+    ms = [max(0.0, x - less_ms) for x in run.get("step_allocator_ms") or []]
     held = (run.get("step_gate_wait_ms") or []) if gates else []
     n = min(len(times), len(ms), len(calls))
     return {k: ((ms[k] + (held[k] if k < len(held) else 0.0)) / 1e3 / times[k], ms[k] * 1e6 / calls[k] if calls[k] else None)
@@ -86,11 +91,11 @@ def mean_step_times(runs):
     return {k: statistics.fmean(v) for k, v in by_step.items()}
 
 
-def pooled(runs, gates=True):
+def pooled(runs, gates=True, less_ms=0.0):
     """{step index: (mean share, mean ns per call)} over the runs' steps 3..N."""
     by_step = {}
     for run in runs:
-        for k, value in step_shares(run, gates).items():
+        for k, value in step_shares(run, gates, less_ms).items():
             by_step.setdefault(k, []).append(value)
     out = {}
     for k, values in by_step.items():
@@ -99,10 +104,11 @@ def pooled(runs, gates=True):
     return out
 
 
-def compare(default_runs, glake_runs, realisations=None, neutral=(), gates=True):
+def compare(default_runs, glake_runs, realisations=None, neutral=(), gates=True, glake_less_ms=0.0):
     """The figures of one workload, or None when either allocator has no timed steps. Steps in
-    `neutral` (numbered from 1) count with r = 1 in the implied ratios; `gates` as in step_shares."""
-    d, g = pooled(default_runs, gates), pooled(glake_runs, gates)
+    `neutral` (numbered from 1) count with r = 1 in the implied ratios; `gates` as in step_shares;
+    `glake_less_ms` is taken off each of glake's steps (step_shares' less_ms)."""
+    d, g = pooled(default_runs, gates), pooled(glake_runs, gates, glake_less_ms)
     steps = sorted(set(d) & set(g))
     if not steps:
         return None
@@ -177,6 +183,8 @@ def main(argv):
     parser.add_argument("--per-step", action="store_true", help="also print each workload's r_k, step by step")
     parser.add_argument("--neutral", type=step_list, default=(), metavar="K,...",
                         help="take r_k = 1 for these steps (numbered from 1) in the implied ratios")
+    parser.add_argument("--glake-less-ms", type=float, default=0.0, metavar="X",
+                        help="take X ms off glake's allocator time in every step (an estimate, never below 0)")
     parser.add_argument("--no-gates", action="store_true",
                         help="leave out the time glake's gates held streams (step_gate_wait_ms): the host's "
                         "time only, the least the allocator can have cost; by default it is added in full, "
@@ -192,6 +200,10 @@ def main(argv):
         print(f"glake runs: {args.mapping} mapping only.\n")
     if args.no_gates:
         print("Allocator time: the host's only; the time gates held streams left out.\n")
+    if args.glake_less_ms < 0:
+        parser.error("--glake-less-ms must be >= 0")
+    if args.glake_less_ms:
+        print(f"Estimate: {args.glake_less_ms:g} ms taken off glake's allocator time in every step.\n")
     if args.neutral:
         print(f"Implied ratios with r = 1 in steps {', '.join(map(str, args.neutral))}.\n")
     print("| workload | runs (default, glake) | share of a step in the allocator: default | glake "
@@ -205,7 +217,7 @@ def main(argv):
         lengths = timed[0].get("seq_lengths") if timed else None
         same = [r for r in defaults.get(name, []) if r.get("seq_lengths") == lengths]
         c = compare(by_allocator.get("default", []), by_allocator.get("glake", []), same, args.neutral,
-                    not args.no_gates)
+                    not args.no_gates, args.glake_less_ms)
         if c is None:
             continue
         steps_of[name] = c["per_step"]

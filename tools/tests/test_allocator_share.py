@@ -161,6 +161,26 @@ class AllocatorShare(unittest.TestCase):
         self.assertAlmostEqual(c["per_step"][5], 0.99 / 0.9)
         self.assertAlmostEqual(c["per_step"][3], 1.0)
 
+    def test_glake_less_ms_takes_time_off_glakes_steps_only(self):
+        shares = allocator_share.step_shares(GLAKE, less_ms=2.0)
+        self.assertAlmostEqual(shares[2][0], 0.5 / 250)  # step 3: 2.5 - 2 ms in 0.25 s
+        self.assertAlmostEqual(shares[4][0], 28.0 / 300)
+        self.assertAlmostEqual(shares[2][1], 500.0)  # 0.5 ms over 1000 calls
+        self.assertEqual(allocator_share.step_shares(GLAKE, less_ms=100.0)[4][0], 0.0)  # never below 0
+        c = allocator_share.compare([DEFAULT], [GLAKE], glake_less_ms=2.0)
+        self.assertAlmostEqual(c["default_share"], 0.01)  # the default's steps are untouched
+        self.assertAlmostEqual(c["per_step"][3], 0.99 / (1 - 0.5 / 250))
+        with tempfile.TemporaryDirectory() as directory:
+            path = os.path.join(directory, "runs.jsonl")
+            write_runs(path, (DEFAULT, GLAKE))
+            out = io.StringIO()
+            with redirect_stdout(out):
+                allocator_share.main([path, "--glake-less-ms", "2"])
+            self.assertIn("Estimate: 2 ms taken off", out.getvalue())
+            with self.assertRaises(SystemExit), redirect_stderr(io.StringIO()) as err, redirect_stdout(io.StringIO()):
+                allocator_share.main([path, "--glake-less-ms", "-1"])
+            self.assertIn("--glake-less-ms", err.getvalue())
+
     def test_options_print_each_steps_ratio_and_apply_neutral_steps(self):
         with tempfile.TemporaryDirectory() as directory:
             path = os.path.join(directory, "runs.jsonl")
