@@ -75,7 +75,8 @@ namespace glake {
 /// is an event recorded on the freeing stream, only during a call on that stream (a stream may be
 /// destroyed once its calls end), and only when none is in flight or the newest is older than
 /// `event_interval_us`, so one event covers many frees and a stream's events are queried at most
-/// once per interval, not on every call; with a single stream none is recorded (statistics count
+/// once per interval, not on every call; with a single stream none is recorded for frees (a
+/// stitched range's free gets one, a record_stream'd free one per other stream; statistics count
 /// the records and queries, and their host time). Without events (host, sim) a
 /// free completes when it returns. An allocation marked with record_stream is freed only once the work queued on
 /// those streams has completed; a cached stitched range is unmapped only once the work queued
@@ -226,7 +227,6 @@ class stitching_allocator {
         backend_(std::move(provider), std::move(reserver), cfg.memory_limit),
         chunk_(chosen_chunk(config_, backend_.granularity())),
         max_handle_(chosen_max_handle(config_, chunk_)),
-        event_interval_(config_.event_interval_us),
         small_(small_source(this), small_rules(config_, chunk_)) {
     candidates_.reserve(max_candidates);
     candidate_sizes_.reserve(max_candidates);
@@ -1205,7 +1205,7 @@ class stitching_allocator {
       stream_clock* c = clock_of(stream);
       if (c == nullptr || !c->dirty) return;
       const auto now = std::chrono::steady_clock::now();
-      if (!c->in_flight.empty() && now - c->recorded < event_interval_) return;
+      if (!c->in_flight.empty() && now - c->recorded < std::chrono::microseconds{config_.event_interval_us}) return;
       poll(*c);
       try {
         const event_type e = record_event(c->stream);
@@ -1655,7 +1655,6 @@ class stitching_allocator {
   backend_type backend_;
   std::size_t chunk_;
   std::size_t max_handle_;
-  std::chrono::microseconds event_interval_;  ///< config's event_interval_us
   arena_type arena_;
   detail::node_pool<segment> segments_;
   detail::node_pool<stitched> stitches_;
