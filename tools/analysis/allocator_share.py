@@ -62,7 +62,7 @@ from steptime_pairs import TARGET  # same folder: the script's own directory is 
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "bench", "torch"))
-from finetune import step_list  # noqa: E402  (standard library only at import)
+from finetune import fsdp_label, step_list  # noqa: E402  (standard library only at import)
 
 
 def step_shares(run, gates=True, less_ms=0.0):
@@ -138,10 +138,8 @@ def workload(run):
     """The row a run belongs to: "opt1.3b N", or "opt1.3b N FSDP rank 1" for a rank of an FSDP run
     ("opt1.3b N FSDP, fake world 2 rank 0" for finetune.py --fake-world)."""
     name = f"{run['model']} {run['strategy']}"
-    if not run.get("fsdp"):
-        return name
-    fake = f", fake world {run['fake_world']}" if run.get("fake_world") else ""
-    return f"{name} FSDP{fake} rank {run.get('rank', 0)}"
+    label = fsdp_label(run)
+    return f"{name} {label} rank {run.get('rank', 0)}" if label else name
 
 
 def maps_on_helper(run):

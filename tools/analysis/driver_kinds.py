@@ -17,15 +17,20 @@ Runs without per-kind figures (before a837dda) count in the memory line and the 
 allocator milliseconds.
 """
 import json
+import os
 import statistics
 import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "bench", "torch"))
+from finetune import fsdp_label  # noqa: E402  (standard library only at import)
 
 MIN_MAPS = 20  # fewer maps in a step make set-access per handle mostly the call's fixed cost
 
 
 def workload(run):
-    fsdp = (f" FSDP, fake world {run['fake_world']}" if run.get("fake_world") else " FSDP") if run.get("fsdp") else ""
-    return f"{run['model']} {run['strategy']}{fsdp}"
+    label = fsdp_label(run)
+    return f"{run['model']} {run['strategy']}" + (f" {label}" if label else "")
 
 
 def load(paths):
