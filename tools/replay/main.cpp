@@ -151,6 +151,9 @@ void print_json(const replay_result& r, std::size_t capacity) {
               r.stitch_grows, r.cross_stream_bytes,
               r.modeled_driver_us,
               r.host_ns_per_operation, r.recorded_peak_reserved);
+  std::printf(",\"splits\":%" PRIu64 ",\"merges\":%" PRIu64 ",\"stitch_evictions\":%" PRIu64
+              ",\"peak_allocated_bytes\":%zu,\"placement_digest\":\"%016" PRIx64 "\"",
+              r.splits, r.merges, r.stitch_evictions, r.peak_allocated_bytes, r.placement_digest);
   if (r.free_at_peak) {
     std::printf(",\"free_at_peak\":{\"whole_handle_bytes\":%zu,\"partial_handle_bytes\":%zu,\"small_pool_bytes\":%zu}",
                 r.free_at_peak->whole_handles, r.free_at_peak->partial_handles, r.free_at_peak->small_pool);

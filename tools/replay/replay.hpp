@@ -32,6 +32,13 @@ struct replay_result {
   std::uint64_t stitch_repairs = 0;
   std::uint64_t stitch_grows = 0;
   std::uint64_t cross_stream_bytes = 0;  ///< free bytes that moved to another stream
+  std::uint64_t splits = 0;
+  std::uint64_t merges = 0;
+  std::uint64_t stitch_evictions = 0;
+  std::size_t peak_allocated_bytes = 0;
+  /// FNV-1a over every a/f event's outcome (the address handed out, or 0, and the bytes reserved
+  /// after it): equal digests mean the allocator made the same placement decisions throughout.
+  std::uint64_t placement_digest = 0;
   double modeled_driver_us = 0;
   double host_ns_per_operation = 0;
   std::size_t recorded_peak_reserved = 0;  ///< PyTorch's own, from the trace (0 if none)
@@ -58,11 +65,20 @@ inline replay_result replay_trace(const trace& t, const configuration& c, std::s
   }
   std::size_t active = 0, reserved = 0, peak_seen = 0;
   const std::size_t step = std::max<std::size_t>(1, t.events.size() / 64);
+  std::uint64_t digest = 14695981039346656037ull;
+  const auto mix = [&digest](std::uint64_t value) {
+    for (int byte = 0; byte < 8; ++byte) {
+      digest ^= (value >> (8 * byte)) & 0xffu;
+      digest *= 1099511628211ull;
+    }
+  };
   const auto start = std::chrono::steady_clock::now();
   for (std::size_t i = 0; i < t.events.size(); ++i) {
     const trace_event& e = t.events[i];
     if (e.what == trace_event::kind::alloc) {
-      if (void* p = allocator->try_allocate(e.bytes, stream_ref{e.stream})) {
+      void* p = allocator->try_allocate(e.bytes, stream_ref{e.stream});
+      mix(reinterpret_cast<std::uintptr_t>(p));
+      if (p != nullptr) {
         live.emplace(e.id, p);
         active += e.bytes;
         r.peak_active_bytes = std::max(r.peak_active_bytes, active);
@@ -81,6 +97,7 @@ inline replay_result replay_trace(const trace& t, const configuration& c, std::s
     }
     ++r.events;
     const std::size_t now = allocator->reserved_bytes();
+    mix(now);
     if (c.model == driver_model::cuda_malloc && now != reserved) {
       r.modeled_driver_us += now > reserved ? modeled_cuda_malloc_us(now - reserved) : modeled_cuda_free_us(reserved - now);
     }
@@ -112,6 +129,11 @@ inline replay_result replay_trace(const trace& t, const configuration& c, std::s
   r.stitch_repairs = s.stitch_repairs;
   r.stitch_grows = s.stitch_grows;
   r.cross_stream_bytes = s.cross_stream_bytes;
+  r.splits = s.splits;
+  r.merges = s.merges;
+  r.stitch_evictions = s.stitch_evictions;
+  r.peak_allocated_bytes = s.peak_allocated_bytes;
+  r.placement_digest = digest;
   r.driver_calls = allocator->device().calls();
   if (c.model == driver_model::vmm) r.modeled_driver_us = modeled_vmm_us(allocator->device());
   if (allocator->device().violations() != 0) {
