@@ -49,6 +49,14 @@ struct mapped_segment {
   }
 };
 
+/// A handle of a stitched range to replace, or to append: the one at `index` of its layout
+/// (an index past the layout's end appends), by `slot`'s.
+template <class Handle>
+struct handle_replacement {
+  std::size_t index = 0;
+  handle_slot<Handle> slot{};
+};
+
 /// Owns a provider and a reserver and performs the multi-call sequences the allocators need,
 /// each one all-or-nothing: if any call fails, everything done so far is undone and the backend
 /// is as before. Out-of-memory answers false (or null); other failures propagate as exceptions
@@ -162,12 +170,7 @@ class vmm_backend {
     return base;
   }
 
-  /// A handle of a stitched range to replace, or to append: the one at `index` of its layout
-  /// (an index past the layout's end appends), by `slot`'s.
-  struct replacement {
-    std::size_t index = 0;
-    handle_slot<handle_type> slot{};
-  };
+  using replacement = handle_replacement<handle_type>;
 
   /// Replaces handles of a stitched range in place, and appends handles after it within its
   /// reservation. `layout` is what the range at `base` maps now, side by side, and `reserved`

@@ -51,13 +51,20 @@ concept stitching_strategy = requires(S& s, const stitch_request& request,
   { s.plan(request, sizes, plan) } -> std::same_as<bool>;
 };
 
-/// Never stitches: the stitching allocator then behaves as a caching allocator over chunks.
+/// Never stitches: the stitching allocator then behaves as a caching allocator over chunks, as
+/// with the `never_stitch` admission (policies/admission.hpp), and builds no stitch cache.
 struct no_stitching {
+  static constexpr bool never_stitches = true;
   bool plan(const stitch_request&, std::span<const std::size_t>, stitch_plan&) const noexcept {
     return false;
   }
 };
 static_assert(stitching_strategy<no_stitching>);
+
+/// True for strategies that declare they never stitch (`S::never_stitches`): an allocator can
+/// then leave its stitching machinery out.
+template <class S>
+inline constexpr bool never_stitches = requires { requires S::never_stitches; };
 
 /// GMLake's greedy rule: largest free blocks first until their sum covers the request; with
 /// `may_grow`, all of them plus new memory for the shortfall. Fewest pieces, but it cuts the

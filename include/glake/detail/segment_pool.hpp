@@ -1,0 +1,169 @@
+// The segment pool under the stitching allocator: physical memory made of handles mapped into
+// segments, carved into blocks of whole chunks, and the queue of fully free segments.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "glake/backends/concepts.hpp"
+#include "glake/config.hpp"
+#include "glake/detail/accounting.hpp"
+#include "glake/detail/block_arena.hpp"
+#include "glake/detail/node_pool.hpp"
+#include "glake/detail/vmm_backend.hpp"
+#include "glake/errors.hpp"
+#include "glake/policies/eviction.hpp"
+#include "glake/policies/growth.hpp"
+#include "glake/stream.hpp"
+
+namespace glake::detail {
+
+/// Segments (a reservation with handles mapped back to back; Growth picks the handle sizes) over
+/// one backend, their blocks in a block_arena, and the fully free segments in Evict order
+/// (queued exactly while a segment is one free block). Everything is counted in `counters`.
+/// Complexity: a new segment costs O(handles) driver calls; queue operations O(1) or O(log n).
+/// Thread safety: none (the allocator serialises access).
+template <physical_provider Provider, address_reserver_for<Provider> Reserver, growth_policy Growth,
+          eviction_policy Evict>
+class segment_pool {
+ public:
+  using handle_type = typename Provider::handle_type;
+  using backend_type = vmm_backend<Provider, Reserver>;
+  using slot_type = handle_slot<handle_type>;
+  struct segment : eviction_hook {
+    mapped_segment<handle_type> mapping;
+    std::size_t stitch_refs = 0;  ///< pieces of stitched ranges (live or cached) inside it
+  };
+  using arena_type = block_arena<segment>;
+  using block_type = typename arena_type::block_type;
+  /// A free block's whole handles: what a stitch may map of it.
+  struct whole_run {
+    block_type* block;
+    std::size_t offset;  ///< of the first whole handle, into the segment
+    std::size_t size;    ///< of the whole handles
+  };
+
+  segment_pool(Provider provider, Reserver reserver, const config& cfg, usage_counters& counters)
+      : backend_(std::move(provider), std::move(reserver), cfg.memory_limit),
+        chunk_(chosen_chunk(cfg, backend_.granularity())), growth_(cfg, chunk_), counters_(&counters) {
+    handle_sizes_.reserve(64);
+  }
+
+  backend_type& backend() noexcept { return backend_; }
+  const backend_type& backend() const noexcept { return backend_; }
+  arena_type& arena() noexcept { return arena_; }
+  const arena_type& arena() const noexcept { return arena_; }
+  const Growth& growth() const noexcept { return growth_; }
+  std::size_t chunk() const noexcept { return chunk_; }
+
+  /// A new segment of `bytes` (whole chunks) on `stream`, as one free block; null when out of
+  /// memory. A backend failure propagates with nothing changed.
+  block_type* add_segment(std::size_t bytes, stream_ref stream) {
+    if (round_up_overflows(bytes, chunk_)) return nullptr;
+    segment* s = segments_.create();
+    try {
+      growth_.plan_handles(bytes, handle_sizes_);
+      if (!backend_.try_create_segment(handle_sizes_, s->mapping)) {
+        segments_.destroy(s);
+        return nullptr;
+      }
+    } catch (...) {
+      segments_.destroy(s);
+      throw;
+    }
+    block_type* b = nullptr;
+    try {
+      b = arena_.add_segment(s, s->mapping.base, s->mapping.size, stream);
+    } catch (...) {
+      backend_.destroy_segment(s->mapping);
+      segments_.destroy(s);
+      throw;
+    }
+    counters_->on_reserve(bytes);
+    s->eviction_bytes_ = bytes;
+    free_.push(*s);
+    return b;
+  }
+
+  /// Gives a fully free segment back to the backend.
+  void drop_segment(segment* s) noexcept {
+    block_type* b = arena_.find(s->mapping.base);
+    free_.erase(*s);
+    arena_.remove_segment(b);
+    counters_->on_unreserve(s->mapping.size);
+    backend_.destroy_segment(s->mapping);
+    segments_.destroy(s);
+  }
+
+  /// Block `b` is about to be taken (leaves the free queue if it is a whole segment) or was just
+  /// freed or merged (enters it if it now is one).
+  void leave_free_queue(block_type* b) noexcept {
+    if (b->size == b->segment->mapping.size) free_.erase(*b->segment);
+  }
+  void enter_free_queue(block_type* b) noexcept {
+    if (b->size == b->segment->mapping.size) free_.push(*b->segment);
+  }
+  /// The fully free segment to release next, in Evict order; null if none.
+  segment* free_victim() noexcept { return free_.victim(); }
+  void unqueue(segment* s) noexcept { free_.erase(*s); }
+  void requeue(segment* s) noexcept { free_.push(*s); }
+  std::size_t free_segments() const noexcept { return free_.size(); }
+
+  whole_run whole_handles_of(block_type& b) const noexcept {
+    const auto& m = b.segment->mapping;
+    const std::size_t begin = b.address - m.base, end = begin + b.size;
+    std::size_t i = m.first_at_or_after(begin), size = 0;
+    const std::size_t first = i < m.count ? m.slots[i].offset : end;
+    for (; i < m.count && m.slots[i].offset + m.slots[i].size <= end; ++i) size += m.slots[i].size;
+    return whole_run{&b, first, size};
+  }
+
+  std::size_t largest_free_block() const {
+    std::size_t largest = 0;
+    arena_.for_each_block([&](const block_type& b) {
+      if (b.free) largest = std::max(largest, b.size);
+    });
+    return largest;
+  }
+
+  /// At destruction: every segment back to the backend, whatever its blocks.
+  void destroy_all() noexcept {
+    std::vector<segment*> all;
+    try {
+      arena_.for_each_block([&](const block_type& b) {
+        if (b.address == b.segment->mapping.base) all.push_back(b.segment);
+      });
+    } catch (...) {
+      return;  // out of host memory while tearing down: leak rather than crash
+    }
+    for (segment* s : all) backend_.destroy_segment(s->mapping);
+  }
+
+ private:
+  static std::size_t chosen_chunk(const config& cfg, std::size_t granularity) {
+    const std::size_t chunk = cfg.chunk_size == 0 ? granularity : cfg.chunk_size;
+    if (chunk % granularity != 0) {
+      throw config_error("glake config: chunk_size must be a multiple of the backend's granularity (" +
+                         format_bytes(granularity) + "), got " + format_bytes(chunk));
+    }
+    if (cfg.small_segment % chunk != 0) {
+      throw config_error("glake config: small_segment (" + format_bytes(cfg.small_segment) +
+                         ") must be a multiple of the chunk size (" + format_bytes(chunk) + ")");
+    }
+    return chunk;
+  }
+
+  backend_type backend_;
+  std::size_t chunk_;
+  Growth growth_;
+  usage_counters* counters_;
+  arena_type arena_;
+  node_pool<segment> segments_;
+  typename Evict::template queue<segment> free_;
+  std::vector<std::size_t> handle_sizes_;
+};
+
+}  // namespace glake::detail
