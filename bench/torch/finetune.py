@@ -103,14 +103,13 @@ def steal_jiffies(path="/proc/stat"):
 
 # --host-probe: fixed host work timed after every step, outside its clock, that neither allocator
 # serves (no CUDA allocation): how fast this process's host runs, step by step. The scatter of
-# step times between processes follows the host's speed (bench/results/finetune.md, session 9),
+# step times between processes follows the host's speed (bench/results/finetune.md, "How measured"),
 # so tools/analysis/steptime_pairs.py can compare allocators at equal host speed.
 PROBE_LOOPS = 400
 
 
 def python_loop_seconds(n=PROBE_LOOPS * 25):
-    """Seconds a fixed interpreter loop of `n` iterations takes: the probe's `python` part, and
-    the loop bench/host_speed.py times on each CPU."""
+    """Seconds a fixed interpreter loop of `n` iterations takes: the probe's `python` part."""
     t0 = time.perf_counter()
     total = 0
     for i in range(n):
@@ -496,7 +495,7 @@ def run_training(args, result, device):
 def profile_steps(args, result, step, lengths):
     """Runs one more step of each length under torch.profiler (host ops, CUDA runtime calls and
     kernels) after the measured steps, so the profiler's overhead stays out of median_step_s, and
-    writes each step's Chrome trace, gzipped, to --profile-dir (tools/analysis/profile_steps.py
+    writes each step's Chrome trace, gzipped, to --profile-dir (chrome://tracing or Perfetto
     reads them). The first profiled step is a warm-up of the profiler and is not kept."""
     import gzip
     import shutil
@@ -710,7 +709,7 @@ def one_line(r):
 
 
 # ---------------------------------------------------------------------------------------------
-# replaying the recorded traces (issue 5, item 3)
+# replaying the recorded traces (glake-replay's peak against the GPU's, within 2%)
 # ---------------------------------------------------------------------------------------------
 
 

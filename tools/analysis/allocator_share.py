@@ -3,13 +3,13 @@
 glake, from finetune.py runs made with --allocator-timing, and the step-time ratio it implies.
 Run from the repository root:
 
-    python3 tools/analysis/allocator_share.py bench/results/finetune_s10_timing.jsonl \
-        bench/results/finetune_handles8.jsonl bench/results/finetune_s8.jsonl bench/results/finetune_s9.jsonl
+    python3 tools/analysis/allocator_share.py bench/results/finetune_single.jsonl
+    python3 tools/analysis/allocator_share.py --per-step bench/results/finetune_fsdp.jsonl
 
 --allocator-timing wraps whichever allocator runs (PyTorch's native one, or glake behind the
 pluggable interface, PyTorch's wrapper included) and times its allocations and frees on the host.
 A share is a ratio within one process, so the host's speed, which swings by 2x in phases of
-seconds on the lent machines, cancels out of it; a step-time ratio between two processes does not.
+seconds on the GPU machines measured (bench/results/finetune.md), cancels out of it; a step-time ratio between two processes does not.
 
 Per workload (finished runs; under FSDP each rank is a workload of its own), over steps 3..N (the steps of the median step time), and
 per allocator with all its runs pooled by step index: the median share of a step spent in the
@@ -40,17 +40,10 @@ Options (before or after the files):
                      the target's quantity would be if glake cost no more than the default there
     --glake-less-ms X  take X ms off glake's allocator time in every step (never below 0): what
                      the target's quantity would be if each glake call cost that much less in all
-                     (an estimate for a change measured elsewhere, e.g. session 16's events)
-    --mapping M      glake runs that mapped on a helper thread (async), those that did not (sync),
-                     or all (any, the default); never pool the two where both are in the files
-    --no-gates       for runs that mapped on a helper thread, leave out the time its gates held
-                     streams: the host's time only, a lower bound. By default that time is added in
-                     full, an upper bound
-
-Runs that mapped on a helper thread are session 12's experiment (the plug-in's GLAKE_ASYNC_MAP,
-removed again because copies fail on memory not yet mapped; bench/results/finetune.md, session
-12): their results carry step_gate_wait_ms and glake_stats.deferred_calls. Other runs have
-neither, and both options then change nothing.
+                     (an estimate for a change measured elsewhere, e.g. a cheaper event interval
+                     measured on one GPU, applied to two-GPU runs)
+    --defaults-only FILE...  more results of which only the default runs are used: earlier runs as
+                     host realisations, without another allocator version's glake runs
 """
 import argparse
 import json
@@ -65,19 +58,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 from finetune import fsdp_label, step_list  # noqa: E402  (standard library only at import)
 
 
-def step_shares(run, gates=True, less_ms=0.0):
+def step_shares(run, less_ms=0.0):
     """{step index: (share of the step in the allocator, ns per call)} for steps 3..N of one run,
-    with `less_ms` taken off each step's allocator time (never below 0).
-    The allocator's time is its calls' host time plus, for glake mapping on a helper thread
-    (session 12's experiment) and `gates`, the time its gates held streams (step_gate_wait_ms):
-    added in full, as if the step had waited for all of it after the host's work, which is the
-    most it can have cost (the host goes on launching while a stream is held). Without `gates`,
-    the host's time only: the least."""
+    with `less_ms` taken off each step's allocator time (never below 0)."""
     times, calls = run.get("step_times_s") or [], run.get("step_allocator_calls") or []
     ms = [max(0.0, x - less_ms) for x in run.get("step_allocator_ms") or []]
-    held = (run.get("step_gate_wait_ms") or []) if gates else []
     n = min(len(times), len(ms), len(calls))
-    return {k: ((ms[k] + (held[k] if k < len(held) else 0.0)) / 1e3 / times[k], ms[k] * 1e6 / calls[k] if calls[k] else None)
+    return {k: (ms[k] / 1e3 / times[k], ms[k] * 1e6 / calls[k] if calls[k] else None)
             for k in range(2, n) if times[k] > 0}
 
 
@@ -91,11 +78,11 @@ def mean_step_times(runs):
     return {k: statistics.fmean(v) for k, v in by_step.items()}
 
 
-def pooled(runs, gates=True, less_ms=0.0):
+def pooled(runs, less_ms=0.0):
     """{step index: (mean share, mean ns per call)} over the runs' steps 3..N."""
     by_step = {}
     for run in runs:
-        for k, value in step_shares(run, gates, less_ms).items():
+        for k, value in step_shares(run, less_ms).items():
             by_step.setdefault(k, []).append(value)
     out = {}
     for k, values in by_step.items():
@@ -104,11 +91,11 @@ def pooled(runs, gates=True, less_ms=0.0):
     return out
 
 
-def compare(default_runs, glake_runs, realisations=None, neutral=(), gates=True, glake_less_ms=0.0):
+def compare(default_runs, glake_runs, realisations=None, neutral=(), glake_less_ms=0.0):
     """The figures of one workload, or None when either allocator has no timed steps. Steps in
-    `neutral` (numbered from 1) count with r = 1 in the implied ratios; `gates` as in step_shares;
-    `glake_less_ms` is taken off each of glake's steps (step_shares' less_ms)."""
-    d, g = pooled(default_runs, gates), pooled(glake_runs, gates, glake_less_ms)
+    `neutral` (numbered from 1) count with r = 1 in the implied ratios; `glake_less_ms` is taken
+    off each of glake's steps (step_shares' less_ms)."""
+    d, g = pooled(default_runs), pooled(glake_runs, glake_less_ms)
     steps = sorted(set(d) & set(g))
     if not steps:
         return None
@@ -142,16 +129,9 @@ def workload(run):
     return f"{name} {label} rank {run.get('rank', 0)}" if label else name
 
 
-def maps_on_helper(run):
-    """Whether a glake run mapped on a helper thread (session 12's GLAKE_ASYNC_MAP): its calls were
-    deferred."""
-    return (run.get("glake_stats") or {}).get("deferred_calls", 0) > 0
-
-
-def load(paths, mapping="any", defaults_only=()):
+def load(paths, defaults_only=()):
     """{workload: {allocator: [runs]}} of the finished runs with allocator timing, and
-    {workload: [runs]} of all finished default runs (the host realisations). `mapping` keeps the
-    glake runs that mapped on a helper thread ("async"), those that did not ("sync"), or all.
+    {workload: [runs]} of all finished default runs (the host realisations).
     Files in `defaults_only` give their default runs alone: earlier runs as host conditions and as
     the default side, without another allocator version's glake runs."""
     workloads, defaults = {}, {}
@@ -163,8 +143,6 @@ def load(paths, mapping="any", defaults_only=()):
                 if r.get("status") != "ok":
                     continue
                 if only_defaults and r.get("allocator") != "default":
-                    continue
-                if r.get("allocator") == "glake" and mapping != "any" and maps_on_helper(r) != (mapping == "async"):
                     continue
                 key = workload(r)
                 if r.get("allocator") == "default":
@@ -183,21 +161,10 @@ def main(argv):
                         help="take r_k = 1 for these steps (numbered from 1) in the implied ratios")
     parser.add_argument("--glake-less-ms", type=float, default=0.0, metavar="X",
                         help="take X ms off glake's allocator time in every step (an estimate, never below 0)")
-    parser.add_argument("--no-gates", action="store_true",
-                        help="leave out the time glake's gates held streams (step_gate_wait_ms): the host's "
-                        "time only, the least the allocator can have cost; by default it is added in full, "
-                        "the most")
-    parser.add_argument("--mapping", choices=("any", "async", "sync"), default="any",
-                        help="glake runs to use: those that mapped on a helper thread (async), those that did "
-                        "not (sync), or all (any, the default); default runs are all used")
     parser.add_argument("--defaults-only", nargs="+", default=[], metavar="FILE",
                         help="more JSONL results of which only the default runs are used (earlier "
                         "allocator versions' files, for their host realisations)")
     args = parser.parse_args(argv)
-    if args.mapping != "any":
-        print(f"glake runs: {args.mapping} mapping only.\n")
-    if args.no_gates:
-        print("Allocator time: the host's only; the time gates held streams left out.\n")
     if args.glake_less_ms < 0:
         parser.error("--glake-less-ms must be >= 0")
     if args.glake_less_ms:
@@ -208,14 +175,14 @@ def main(argv):
           "| ns per call: default | glake | per-step ratio r: median | largest | steps over 1.02 "
           "| host realisations | implied ratio of median steps: median | largest | over 1.02 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    workloads, defaults = load(args.files, args.mapping, args.defaults_only)
+    workloads, defaults = load(args.files, args.defaults_only)
     steps_of = {}
     for name, by_allocator in workloads.items():
         timed = by_allocator.get("default", []) + by_allocator.get("glake", [])
         lengths = timed[0].get("seq_lengths") if timed else None
         same = [r for r in defaults.get(name, []) if r.get("seq_lengths") == lengths]
         c = compare(by_allocator.get("default", []), by_allocator.get("glake", []), same, args.neutral,
-                    not args.no_gates, args.glake_less_ms)
+                    args.glake_less_ms)
         if c is None:
             continue
         steps_of[name] = c["per_step"]

@@ -3,7 +3,7 @@
 (step_driver_kind_calls / step_driver_kind_ms: the plug-in's driver_<kind> and driver_<kind>_ns).
 Run from the repository root:
 
-    python3 tools/analysis/driver_kinds.py bench/results/finetune_fsdp_kinds_n_s14.jsonl bench/results/finetune_fsdp_div8_n_s14.jsonl
+    python3 tools/analysis/driver_kinds.py bench/results/finetune_fsdp.jsonl
 
 Per workload (FSDP ranks pooled), over its finished glake runs:
 - memory: utilization and peak reserved (smallest-largest), and the driver calls of steps 3..N

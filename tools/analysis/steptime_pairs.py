@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Step-time pairs of default and glake from finetune.py's JSONL output (bench/results/finetune.md,
-"Step time with repeated, order-reversed pairs"). Run from the repository root:
+"""Step-time pairs of default and glake from finetune.py's JSONL output, for runs made with
+`finetune.py --allocators default,glake --repeat N` (allocator order reversed every other round).
+Run from the repository root:
 
-    python3 tools/analysis/steptime_pairs.py bench/results/finetune_steptime_repeat.jsonl
+    python3 tools/analysis/steptime_pairs.py results.jsonl
 
 Per workload: each run's median step, the pair ratios (glake / default, runs paired in order),
 glake's mean over default's mean, how many of steps 3..N made driver calls and how many calls,
@@ -12,8 +13,11 @@ when the whole interval lies at or below it, "missed" when above, else "open". T
 geometric mean, interval and verdict of all pair ratios pooled; and, over the pairs whose runs
 ran with --host-probe, the ratio at equal host speed: the intercept of a least-squares line
 through (glake's share of slow probes minus default's, log ratio), a probe being slow when its
-Python loop took over 0.5 ms (the lent machines' CPUs run it in ~0.38 or ~0.70 ms,
-bench/results/finetune.md, session 9).
+Python loop took over 0.5 ms (the GPU machines measured ran it in ~0.38 or ~0.70 ms;
+bench/results/finetune.md, "How measured", says why pairs decide little there).
+
+finetune.py's tables use ratio_interval and verdict for repeated runs; allocator_share.py uses
+TARGET.
 """
 import collections
 import json
@@ -24,7 +28,7 @@ import sys
 
 def runs_by_workload(paths):
     """The rank-0 runs that finished, as {(model, strategy): {allocator: [run, ...]}}, each list in
-    file order (so default and glake runs pair by position). Shared with busy_steps.py."""
+    file order (so default and glake runs pair by position)."""
     by = collections.defaultdict(lambda: collections.defaultdict(list))
     for path in paths:
         with open(path) as f:

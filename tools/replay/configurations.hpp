@@ -133,11 +133,11 @@ inline config gmlake_config() {
 /// small pool inside the stitching pool so its empty blocks return to it, keep cached stitched
 /// ranges mapped (auto_gc at its default, 1000 GiB: they cost address space, not memory, and
 /// unmapping them cost ~20 us per handle during training steps; on the H100 an 8 GiB cap made
-/// recompute and LoRA steps 7-13% slower than PyTorch's, see bench/results/finetune.md).
+/// recompute and LoRA steps 7-13% slower than PyTorch's, see docs/experiments.md).
 /// New memory in handles of up to 8 MiB (max_handle): a mapped handle costs the same driver time
 /// whatever its size, so large stitches make ~4x fewer calls than from 2 MiB handles, for a little
-/// memory stranded in handles partly in use (see bench/results/replay.md, "Handles of up to
-/// 8 MiB"; 2 MiB handles, `max_handle:0`, keep repair and growth of cached stitches).
+/// memory stranded in handles partly in use (see bench/results/replay.md, "Key findings";
+/// `max_handle:0` keeps 2 MiB handles only).
 inline config glake_config() {
   config cfg;
   cfg.frag_limit = 2 * MiB;

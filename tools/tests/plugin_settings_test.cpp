@@ -1,5 +1,5 @@
 // The PyTorch plug-in's default settings are the ones glake-replay replays as "glake", so that a
-// trace recorded on the GPU replays under the rules it ran with (issue 5: replay within 2%).
+// trace recorded on the GPU replays under the rules it ran with (its peak within 2% of the GPU's).
 #include <doctest/doctest.h>
 
 #include <map>

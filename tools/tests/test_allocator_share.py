@@ -41,20 +41,6 @@ class AllocatorShare(unittest.TestCase):
         self.assertAlmostEqual(shares[2][1], 2500.0)  # 2.5 ms over 1000 calls
         self.assertAlmostEqual(shares[4][1], 30000.0)
 
-    def test_time_streams_waited_at_glakes_gates_counts_as_allocator_time(self):
-        gated = dict(GLAKE, step_allocator_ms=[90.0, 9.0, 2.5, 4.0, 3.0, 5.0], step_gate_wait_ms=[0, 0, 0, 0, 27.0, 0])
-        shares = allocator_share.step_shares(gated)
-        self.assertAlmostEqual(shares[4][0], 0.1)  # 3 ms of calls and 27 ms held, in 0.3 s
-        self.assertAlmostEqual(shares[4][1], 3000.0)  # the cost per call is the calls' own
-        self.assertAlmostEqual(shares[2][0], 0.01)
-        short = dict(gated, step_gate_wait_ms=[0, 0, 0])  # fewer entries than steps: the rest count 0
-        self.assertAlmostEqual(allocator_share.step_shares(short)[4][0], 0.01)
-        self.assertAlmostEqual(allocator_share.step_shares(gated, gates=False)[4][0], 0.01)  # --no-gates
-        with_gates = allocator_share.compare([DEFAULT], [gated])
-        without = allocator_share.compare([DEFAULT], [gated], gates=False)
-        self.assertAlmostEqual(with_gates["per_step"][5], 0.99 / 0.9)
-        self.assertAlmostEqual(without["per_step"][5], 1.0)
-
     def test_runs_are_pooled_by_step(self):
         second = dict(GLAKE, step_allocator_ms=[90.0, 9.0, 7.5, 4.0, 30.0, 5.0])  # step 3: 3% instead of 1%
         pooled = allocator_share.pooled([GLAKE, second])
@@ -113,22 +99,6 @@ class AllocatorShare(unittest.TestCase):
         first = (0.3 * 0.99 / 0.9 + 0.4) / 2 / 0.35
         self.assertEqual(cells[:2], ["opt1.3b LR", "1, 1"])
         self.assertEqual(cells[8:], ["1 of 4", "2", f"{(first + 1) / 2:.4f}", f"{first:.4f}", "1"])
-
-    def test_mapping_keeps_glake_runs_by_whether_they_mapped_on_a_helper_thread(self):
-        helper = dict(GLAKE, glake_stats={"deferred_calls": 500}, step_allocator_ms=[90.0, 9.0, 2.5, 4.0, 3.0, 5.0])
-        own = dict(GLAKE, glake_stats={"deferred_calls": 0})
-        with tempfile.TemporaryDirectory() as directory:
-            path = os.path.join(directory, "runs.jsonl")
-            write_runs(path, (DEFAULT, helper, own, dict(GLAKE, allocator="expandable")))
-            for mapping, expected in (("any", [helper, own]), ("async", [helper]), ("sync", [own])):
-                workloads, defaults = allocator_share.load([path], mapping)
-                self.assertEqual(workloads["opt1.3b LR"]["glake"], expected, mapping)
-                self.assertEqual(workloads["opt1.3b LR"]["default"], [DEFAULT])  # never filtered
-                self.assertEqual(len(workloads["opt1.3b LR"]["expandable"]), 1)
-            out = io.StringIO()
-            with redirect_stdout(out):
-                allocator_share.main(["--mapping", "async", path])
-            self.assertIn("async mapping only", out.getvalue())
 
     def test_defaults_only_files_give_their_default_runs_alone(self):
         with tempfile.TemporaryDirectory() as directory:

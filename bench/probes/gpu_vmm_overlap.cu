@@ -6,7 +6,7 @@
 // the GPU's queue drained, a cost no per-call latency table shows. This program times each call
 // with the GPU idle and again while a kernel of ~200 ms runs on another stream.
 //
-//   nvcc -std=c++17 -O2 -arch=sm_90 bench/gpu_vmm_overlap.cu -lcuda -o /tmp/vmm_overlap && /tmp/vmm_overlap
+//   nvcc -std=c++17 -O2 -arch=sm_90 bench/probes/gpu_vmm_overlap.cu -lcuda -o /tmp/vmm_overlap && /tmp/vmm_overlap
 #include <cuda.h>
 #include <cuda_runtime.h>
 

@@ -1,25 +1,25 @@
-// What broke mapping on a helper thread under PyTorch (issue 5, session 12)? Two questions:
+// Can an allocator hand out an address and map it later, on a helper thread? Two questions:
 //   A. Which stream operations does the driver refuse when they are queued on an address range
 //      that is only reserved, or mapped but without access yet? (The work is held by a host
-//      function until the range is mapped and accessible, as async_reserver's gate holds it.)
+//      function until the range is mapped and accessible, as a gate on the stream would.)
 //   B. Does a helper thread's cuMemMap / cuMemSetAccess still complete while the owning thread
 //      waits in a synchronizing call (context, stream or event) for a stream that a host function
 //      holds until the helper is done? If not, that is a deadlock.
 // Part B runs first: its waits run in a thread the program abandons when they do not finish in
 // 5 s. Part A prints each call's answer as soon as it returns.
 //
-// On the H100 (driver 580.159.04, session 12, call 6):
+// On an H100 (driver 580.159.04, 2026-11-23):
 //   B. cudaDeviceSynchronize, cudaStreamSynchronize and cudaEventSynchronize all returned once the
 //      helper had mapped and granted access: no deadlock.
 //   A. Mapped and accessible: every call queued and ran. Mapped without access: cudaMemcpyAsync
 //      (H2D with Default or HostToDevice, D2D, D2H) and cudaMemsetAsync were refused with
 //      cudaErrorInvalidValue when queued; cudaPointerGetAttributes answered. Reserved only: the
-//      first cudaMemcpyAsync never returned (calls 5 and 6, stopped by `timeout`), so the rest of
+//      first cudaMemcpyAsync never returned (in two runs, stopped by `timeout`), so the rest of
 //      that state was not reached.
 // So memory must be mapped and accessible before anything queues a copy on it: an allocator cannot
 // hand out an address and map it later, whatever holds the stream.
 //
-//   nvcc -std=c++17 -O2 -arch=sm_90 bench/gpu_async_hazards.cu -lcuda -o /tmp/hazards && timeout 120 /tmp/hazards
+//   nvcc -std=c++17 -O2 -arch=sm_90 bench/probes/gpu_async_hazards.cu -lcuda -o /tmp/hazards && timeout 120 /tmp/hazards
 #include <cuda.h>
 #include <cuda_runtime.h>
 

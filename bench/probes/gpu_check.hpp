@@ -1,4 +1,4 @@
-// Shared by the standalone GPU probes (bench/gpu_*.cu): end the program with the failing call's
+// Shared by the standalone GPU probes (bench/probes/gpu_*.cu): end the program with the failing call's
 // name and error when a CUDA driver or runtime call fails, the device memory they create and the
 // access they grant to it, and the median they report.
 // Probes include it by a relative path, so each still builds with one nvcc command.

@@ -12,7 +12,7 @@
 // The kernels: a streaming read of the whole buffer (bandwidth), and random 4-byte reads spread
 // over all of it (translation-bound). Median of 15 runs each, timed with events.
 //
-//   nvcc -std=c++17 -O2 -arch=sm_90 bench/gpu_mapping_bandwidth.cu -lcuda -o /tmp/mapbw && /tmp/mapbw
+//   nvcc -std=c++17 -O2 -arch=sm_90 bench/probes/gpu_mapping_bandwidth.cu -lcuda -o /tmp/mapbw && /tmp/mapbw
 #include <cuda.h>
 #include <cuda_runtime.h>
 
