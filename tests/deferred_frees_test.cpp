@@ -96,6 +96,19 @@ TEST_CASE("deferred frees: uses on several streams get an event each; the free's
   CHECK_FALSE(f.frees.active());  // the uses went with the free
 }
 
+// The contract: "Defers the free of `p` on `stream` when other streams used it". A use recorded on
+// the free's own stream only (record_stream with the allocation's stream, a no-op in PyTorch) is
+// deferred all the same, with no event: the memory stays counted as live until the next call
+// finishes deferred frees.
+TEST_CASE("deferred frees: a use recorded only on the free's own stream does not defer it" *
+          doctest::should_fail()) {
+  fixture f;
+  f.frees.record_use(p, A);
+  CHECK_FALSE(f.defer(p, 64, A));
+  CHECK_FALSE(f.frees.pending());
+  CHECK(f.log.events.empty());
+}
+
 TEST_CASE("deferred frees: finish without waiting frees only the completed ones, oldest first") {
   fixture f;
   f.frees.record_use(p, B);
