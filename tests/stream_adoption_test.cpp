@@ -191,6 +191,25 @@ TEST_CASE("stream adoption: a whole free segment moving is reported as such, and
   CHECK(n.merged.back() == arena2.first());
 }
 
+// The class comment promises at most `max_candidates` candidates when gathering and no heap
+// allocation once constructed (adopt is noexcept). The scan stops a stream once the scratch
+// vector is full, but the next stream's first block is still pushed, which grows the vector and
+// lets every further stream add up to its new capacity.
+TEST_CASE("stream adoption: gathering looks at no more than max_candidates blocks across streams" *
+          doctest::should_fail()) {
+  arena_type arena;
+  segment_of_blocks on_b(arena, 0x100000000, {8 * M, 8 * M}, B);
+  segment_of_blocks on_c(arena, 0x200000000, {4 * M, 4 * M}, C);
+  plain_clocks clocks(detail::no_events{}, 0);
+  clocks.enter(A);
+  clocks.enter(B);
+  clocks.enter(C);
+  plain_adoption adoption(2, 8);
+  moves m;
+  CHECK(adoption.adopt(arena, clocks, 1 * GiB, A, true, all_whole, m.callback()));
+  CHECK(m.count <= 2);
+}
+
 TEST_CASE("stream adoption: blocks whose frees have not completed stay; waiting for them waits on just their stream's event") {
   sim_device device(1 * GiB);
   testing::event_log log;
