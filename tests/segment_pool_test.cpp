@@ -1,0 +1,224 @@
+// The segment pool (detail/segment_pool.hpp) over the simulated backend: segments made of the
+// growth policy's handles, counted as reserved, their whole handles, and the queue of fully free
+// segments.
+#include <doctest/doctest.h>
+
+#include <cstddef>
+#include <string>
+
+#include "glake/backends/sim.hpp"
+#include "glake/detail/accounting.hpp"
+#include "glake/detail/segment_pool.hpp"
+#include "glake/policies/eviction.hpp"
+#include "glake/policies/growth.hpp"
+
+namespace {
+
+using namespace glake;
+constexpr std::size_t M = MiB;
+const stream_ref A{1}, B{2};
+
+using pool_type = detail::segment_pool<sim_provider, sim_reserver, power_of_two_growth, lru_eviction>;
+
+config handles_up_to(std::size_t max_handle, int min_handles) {
+  config cfg;
+  cfg.max_handle = max_handle;
+  cfg.min_handles = min_handles;
+  return cfg;
+}
+
+}  // namespace
+
+TEST_CASE("segment pool: a new segment is one free block of the growth policy's handles, counted as reserved") {
+  sim_device device(1 * GiB);
+  detail::usage_counters counters;
+  pool_type pool(sim_provider{device}, sim_reserver{device}, handles_up_to(8 * M, 2), counters);
+  CHECK(pool.chunk() == 2 * M);
+  CHECK(pool.growth().max_handle() == 8 * M);
+
+  auto* b = pool.add_segment(22 * M, A);
+  REQUIRE(b != nullptr);
+  CHECK(b->free);
+  CHECK(b->size == 22 * M);
+  CHECK(b->stream == A);
+  const auto& m = b->segment->mapping;
+  CHECK(b->address == m.base);
+  CHECK(m.size == 22 * M);
+  REQUIRE(m.count == 4);  // 8 + 8 + 4 + 2
+  CHECK(m.slots[0].size == 8 * M);
+  CHECK(m.slots[2].size == 4 * M);
+  CHECK(m.slots[3].offset == 20 * M);
+  CHECK(counters.s.reserved_bytes == 22 * M);
+  CHECK(counters.s.peak_reserved_bytes == 22 * M);
+  CHECK(counters.s.segments_created == 1);
+  CHECK(device.physical_bytes() == 22 * M);
+  CHECK(device.live_handles() == 4);
+  CHECK(device.live_mappings() == 4);
+  CHECK(pool.backend().physical_bytes() == 22 * M);
+  CHECK(pool.arena().free_bytes() == 22 * M);
+  CHECK(pool.largest_free_block() == 22 * M);
+  CHECK(pool.free_segments() == 1);
+  CHECK(pool.free_victim() == b->segment);
+  CHECK(b->segment->stitch_refs == 0);
+  CHECK(device.violations() == 0);
+}
+
+TEST_CASE("segment pool: whole_handles_of gives the handles lying wholly inside a block") {
+  sim_device device(1 * GiB);
+  detail::usage_counters counters;
+  pool_type pool(sim_provider{device}, sim_reserver{device}, handles_up_to(8 * M, 2), counters);
+  auto* b = pool.add_segment(16 * M, A);  // handles of 8 MiB at 0 and 8 MiB
+  REQUIRE(b != nullptr);
+  REQUIRE(b->segment->mapping.count == 2);
+
+  auto whole = pool.whole_handles_of(*b);
+  CHECK(whole.block == b);
+  CHECK(whole.offset == 0);
+  CHECK(whole.size == 16 * M);
+
+  auto* live = pool.arena().take(b, 6 * M);  // [0, 6) live, [6, 16) free
+  auto* rest = pool.arena().next(live);
+  whole = pool.whole_handles_of(*rest);
+  CHECK(whole.block == rest);
+  CHECK(whole.offset == 8 * M);  // the first handle starting in it
+  CHECK(whole.size == 8 * M);
+  whole = pool.whole_handles_of(*live);
+  CHECK(whole.size == 0);  // 6 MiB of an 8 MiB handle
+
+  auto* middle = pool.arena().take(rest, 4 * M);  // [6, 10) live, [10, 16) free
+  whole = pool.whole_handles_of(*pool.arena().next(middle));
+  CHECK(whole.size == 0);  // [10, 16) holds no whole handle
+  pool.arena().give_back(middle);
+  pool.arena().give_back(live);
+}
+
+TEST_CASE("segment pool: the free queue holds exactly the fully free segments, in eviction order") {
+  sim_device device(1 * GiB);
+  detail::usage_counters counters;
+  pool_type pool(sim_provider{device}, sim_reserver{device}, config{}, counters);
+  auto* b1 = pool.add_segment(8 * M, A);
+  auto* b2 = pool.add_segment(4 * M, B);
+  REQUIRE(b1 != nullptr);
+  REQUIRE(b2 != nullptr);
+  auto* s1 = b1->segment;
+  auto* s2 = b2->segment;
+  CHECK(pool.free_segments() == 2);
+  CHECK(pool.free_victim() == s1);  // lru: the oldest first
+
+  // Taking part of a segment takes it out of the queue; freeing it whole again puts it back last.
+  pool.leave_free_queue(b1);
+  auto* live = pool.arena().take(b1, 2 * M);
+  CHECK(pool.free_segments() == 1);
+  CHECK(pool.free_victim() == s2);
+  auto* merged = pool.arena().give_back(live);
+  pool.enter_free_queue(merged);
+  CHECK(pool.free_segments() == 2);
+  CHECK(pool.free_victim() == s2);
+
+  // Blocks that are not a whole segment never enter.
+  pool.leave_free_queue(b2);
+  auto* part = pool.arena().take(b2, 2 * M);
+  pool.enter_free_queue(pool.arena().next(part));
+  CHECK(pool.free_segments() == 1);
+  pool.enter_free_queue(pool.arena().give_back(part));
+  CHECK(pool.free_segments() == 2);
+
+  pool.unqueue(s1);
+  CHECK(pool.free_victim() == s2);
+  pool.requeue(s1);
+  CHECK(pool.free_victim() == s2);
+  pool.unqueue(s2);
+  CHECK(pool.free_victim() == s1);
+  pool.requeue(s2);
+
+  // Dropping a segment gives everything back to the device and the counters.
+  pool.drop_segment(s1);
+  CHECK(pool.free_segments() == 1);
+  CHECK(counters.s.reserved_bytes == 4 * M);
+  CHECK(counters.s.peak_reserved_bytes == 12 * M);
+  CHECK(counters.s.segments_released == 1);
+  CHECK(device.physical_bytes() == 4 * M);
+  CHECK(pool.arena().blocks() == 1);
+  pool.drop_segment(pool.free_victim());
+  CHECK(pool.free_segments() == 0);
+  CHECK(counters.s.reserved_bytes == 0);
+  CHECK(counters.s.segments_released == 2);
+  CHECK(device.physical_bytes() == 0);
+  CHECK(device.reserved_bytes() == 0);
+  CHECK(device.live_mappings() == 0);
+  CHECK(pool.arena().blocks() == 0);
+  CHECK(pool.free_victim() == nullptr);
+  CHECK(device.violations() == 0);
+}
+
+TEST_CASE("segment pool: out of memory is null with nothing counted or left behind") {
+  sim_device device(16 * M);
+  detail::usage_counters counters;
+  pool_type pool(sim_provider{device}, sim_reserver{device}, handles_up_to(4 * M, 1), counters);
+  CHECK(pool.add_segment(32 * M, A) == nullptr);
+  CHECK(pool.add_segment(~std::size_t{0} - 1, A) == nullptr);  // rounding would overflow
+  CHECK(counters.s.reserved_bytes == 0);
+  CHECK(counters.s.segments_created == 0);
+  CHECK(pool.free_segments() == 0);
+  CHECK(pool.arena().blocks() == 0);
+  CHECK(device.physical_bytes() == 0);
+  CHECK(device.reserved_bytes() == 0);
+  CHECK(device.live_handles() == 0);
+
+  config limited = handles_up_to(4 * M, 1);
+  limited.memory_limit = 8 * M;
+  sim_device roomy(1 * GiB);
+  pool_type capped(sim_provider{roomy}, sim_reserver{roomy}, limited, counters);
+  REQUIRE(capped.add_segment(8 * M, A) != nullptr);
+  CHECK(capped.add_segment(2 * M, A) == nullptr);  // over the memory limit
+  CHECK(counters.s.segments_created == 1);
+  CHECK(roomy.physical_bytes() == 8 * M);
+  CHECK(roomy.calls()[driver_call::create] == 2);  // the refused segment made no call
+  capped.destroy_all();
+  CHECK(roomy.physical_bytes() == 0);
+  CHECK(roomy.reserved_bytes() == 0);
+  CHECK(roomy.violations() == 0);
+}
+
+TEST_CASE("segment pool: destroy_all gives every segment back, whatever its blocks") {
+  sim_device device(1 * GiB);
+  detail::usage_counters counters;
+  pool_type pool(sim_provider{device}, sim_reserver{device}, handles_up_to(8 * M, 2), counters);
+  auto* b1 = pool.add_segment(16 * M, A);
+  auto* b2 = pool.add_segment(6 * M, B);
+  REQUIRE(b1 != nullptr);
+  REQUIRE(b2 != nullptr);
+  pool.leave_free_queue(b1);
+  pool.arena().take(b1, 10 * M);
+  REQUIRE(device.live_handles() == 2 + 3);  // 8 + 8, and 2 + 2 + 2 (none above half of 6)
+  pool.destroy_all();
+  CHECK(device.physical_bytes() == 0);
+  CHECK(device.live_handles() == 0);
+  CHECK(device.reserved_bytes() == 0);
+  CHECK(device.violations() == 0);
+}
+
+TEST_CASE("segment pool: the chunk must be a multiple of the granularity, and small_segment of the chunk") {
+  sim_device device(1 * GiB);
+  detail::usage_counters counters;
+  config cfg;
+  cfg.chunk_size = 3 * M;
+  try {
+    pool_type pool(sim_provider{device}, sim_reserver{device}, cfg, counters);
+    FAIL("expected a config_error");
+  } catch (const config_error& e) {
+    CHECK(std::string(e.what()).find("chunk_size") != std::string::npos);
+  }
+  cfg.chunk_size = 4 * M;  // the default small_segment, 2 MiB, is no multiple of it
+  try {
+    pool_type pool(sim_provider{device}, sim_reserver{device}, cfg, counters);
+    FAIL("expected a config_error");
+  } catch (const config_error& e) {
+    CHECK(std::string(e.what()).find("small_segment") != std::string::npos);
+  }
+  cfg.small_segment = 8 * M;
+  pool_type pool(sim_provider{device}, sim_reserver{device}, cfg, counters);
+  CHECK(pool.chunk() == 4 * M);
+  cfg.max_handle = 6 * M;  // the growth policy's own check
+  CHECK_THROWS_AS(pool_type(sim_provider{device}, sim_reserver{device}, cfg, counters), config_error);
+}
