@@ -97,16 +97,15 @@ TEST_CASE("deferred frees: uses on several streams get an event each; the free's
 }
 
 // The contract: "Defers the free of `p` on `stream` when other streams used it". A use recorded on
-// the free's own stream only (record_stream with the allocation's stream, a no-op in PyTorch) is
-// deferred all the same, with no event: the memory stays counted as live until the next call
-// finishes deferred frees.
-TEST_CASE("deferred frees: a use recorded only on the free's own stream does not defer it" *
-          doctest::should_fail()) {
+// the free's own stream only (record_stream with the allocation's stream, a no-op in PyTorch)
+// leaves nothing to wait for: the free happens at once, and the use is forgotten.
+TEST_CASE("deferred frees: a use recorded only on the free's own stream does not defer it") {
   fixture f;
   f.frees.record_use(p, A);
   CHECK_FALSE(f.defer(p, 64, A));
   CHECK_FALSE(f.frees.pending());
   CHECK(f.log.events.empty());
+  CHECK_FALSE(f.frees.active());  // the use went with the free
 }
 
 TEST_CASE("deferred frees: finish without waiting frees only the completed ones, oldest first") {

@@ -66,6 +66,20 @@ TEST_CASE("stream order: a block freed on its own stream is reused on it at once
   CHECK_THROWS_AS(allocator.record_stream(reinterpret_cast<void*>(0x1234), B), usage_error);
 }
 
+TEST_CASE("stream order: record_stream on the allocation's own stream frees it at once") {
+  sim_device device(1 * GiB);
+  event_log log;
+  evented_stitching allocator(sim_provider{device}, evented_reserver{device, log});
+  void* p = allocator.allocate(8 * M, A);
+  allocator.record_stream(p, A);  // PyTorch allows it; there is nothing to wait for
+  allocator.deallocate(p, 8 * M, A);
+  CHECK(allocator.stats().active_bytes == 0);
+  CHECK(allocator.stats().deallocations == 1);
+  CHECK(log.events.empty());
+  CHECK(allocator.allocate(8 * M, A) == p);
+  allocator.verify();
+}
+
 TEST_CASE("stream order: cached stitched ranges are unmapped only after work queued before their free completed") {
   sim_device device(2 * GiB);
   event_log log;

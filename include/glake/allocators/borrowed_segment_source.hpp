@@ -5,6 +5,8 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
 #include "glake/allocators/segment_source.hpp"
 #include "glake/stream.hpp"

@@ -62,6 +62,7 @@ class deferred_frees {
       throw;
     }
     uses_.erase(first, uses_.end());
+    if (pending.events.empty()) return false;  // used only on its own stream: nothing to wait for
     pending_.push_back(std::move(pending));
     return true;
   }

@@ -58,6 +58,7 @@ class stream_adoption {
     for (auto& c : clocks) {
       if (c.stream == stream) continue;
       arena.for_each_free_largest_first(c.stream, [&](block_type& b) {
+        if (adoptable_.size() == adoptable_.capacity()) return false;  // never grows: noexcept
         if (clocks.completed(b.stream, b.free_mark) && whole(b) > 0) adoptable_.push_back(&b);
         return adoptable_.size() < adoptable_.capacity();
       });
