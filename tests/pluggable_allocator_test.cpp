@@ -1,6 +1,6 @@
 // pluggable_allocator: the C-interface adaptor (PyTorch's plug-in) over simulated devices: errors
 // stay inside, per-device scopes, statistics, peak resets and traces that stay consistent when
-// several threads allocate and free at once. The C library itself is tested in adaptors/torch/tests.
+// several threads allocate and free at once. The C library itself is tested in integrations/torch/tests.
 #include <doctest/doctest.h>
 
 #include <unistd.h>

@@ -45,8 +45,8 @@ mkdir -p "$(dirname "$out")"
 # -lcuda links against the driver (its stub where the real one has no libcuda.so link); at run
 # time the real libcuda.so.1 is loaded. GLAKE_CHECKED=1 as in the CMake build: bad frees are caught.
 "$cxx" -std=c++20 -O2 -g -shared -fPIC -fvisibility=hidden -Wall -Wextra -DGLAKE_CHECKED=1 \
-  -Iinclude -Iadaptors/torch "${deps[@]}" -isystem "$cuda/include" \
-  adaptors/torch/glake_torch.cpp \
+  -Iinclude -Iintegrations/torch "${deps[@]}" -isystem "$cuda/include" \
+  integrations/torch/glake_torch.cpp \
   -L"$cuda/lib64" -L"$cuda/lib" -L"$cuda/lib64/stubs" -L"$cuda/lib/stubs" -lcuda \
   -Wl,--exclude-libs,ALL -Wl,-Bsymbolic -o "$out"
 echo "built $out ($("$cxx" --version | head -1))"

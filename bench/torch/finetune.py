@@ -52,7 +52,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-GLAKE_TORCH = os.path.join(ROOT, "adaptors", "torch")
+GLAKE_TORCH = os.path.join(ROOT, "integrations", "torch")
 
 GB = 1e9
 BATCH = 8

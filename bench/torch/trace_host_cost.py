@@ -107,7 +107,7 @@ def main(argv=None):
     if args.allocator == "expandable":
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     if args.allocator == "glake":
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "adaptors", "torch"))
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "integrations", "torch"))
         import glake_torch
 
         glake_torch.enable()

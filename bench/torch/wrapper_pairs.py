@@ -6,7 +6,7 @@ gpu_alloc_latency.md, session 9).
 Each allocator runs in a process of its own (PyTorch fixes its allocator at the first CUDA
 allocation), in rounds whose order reverses every other round:
   default    PyTorch's caching allocator
-  glake      the plug-in (adaptors/torch), through CUDAPluggableAllocator
+  glake      the plug-in (integrations/torch), through CUDAPluggableAllocator
   sizecache  bench/torch/size_cache_allocator.cpp through the same path: a near-free allocator, so
              its figures are PyTorch's pluggable wrapper alone
 Per size, with a live neighbour of the same size: the median ns of a
@@ -59,7 +59,7 @@ def child(allocator):
     import torch
 
     if allocator == "glake":
-        sys.path.insert(0, os.path.join(ROOT, "adaptors", "torch"))
+        sys.path.insert(0, os.path.join(ROOT, "integrations", "torch"))
         import glake_torch
 
         glake_torch.enable()
