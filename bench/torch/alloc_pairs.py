@@ -4,7 +4,7 @@ allocator (CUDA backend), cudaMallocAsync on a warm pool, cudaMalloc, and PyTorc
 allocator (c10::cuda::CUDACachingAllocator::raw_alloc_with_stream / raw_delete), all timed inside
 one small torch C++ extension (glake is header-only, so it compiles in). Each pair keeps a live
 neighbour of the same size; median over 51 batches of 2000 pairs (cudaMalloc: 11 batches of 5-50).
-Needs a GPU and torch; Boost headers from ../shared/tools/pack-device-deps.sh in .device-deps/.
+Needs a GPU and torch; Boost headers from the system or in .device-deps/include (bench/torch/README.md).
 
     python3 bench/torch/alloc_pairs.py           # from the repository root; prints a markdown table
 """

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the PyTorch plug-in, libglake_torch.so, with one compiler call: no CMake, no nvcc, no
-# Boost package (the GPU machine has none; its headers come from .device-deps/include, packed by
-# ../shared/tools/pack-device-deps.sh, or from the system). glake_torch finds the result in
-# build/torch/ by itself.
+# Boost package (the GPU machine has none; its headers come from .device-deps/include, a copy of
+# the Boost headers glake includes (bench/torch/README.md), or from the system). glake_torch finds
+# the result in build/torch/ by itself.
 #
 #   bench/torch/build_plugin.sh [OUT]        default OUT: build/torch/libglake_torch.so
 #   bench/torch/build_plugin.sh --size-cache   the control allocator of finetune.py's `sizecache`
