@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds and runs all tests twice: a Debug build (build/debug), then a RelWithDebInfo build
 # under AddressSanitizer + UBSan (build/asan, package tests excluded). Runs both stages even if
-# the first fails; exits non-zero if either does, after a summary line.
+# the first fails; exits non-zero if either does, after a summary line. Warnings are errors here
+# (-DGLAKE_WERROR=ON), though the option is off by default.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,7 +20,7 @@ configure_and_build() {
   local gen=()
   [[ -f $dir/CMakeCache.txt ]] || gen=("${generator[@]}")
   cmake -S . -B "$dir" "${gen[@]}" -DGLAKE_BUILD_TESTS=ON -DGLAKE_BUILD_EXAMPLES=ON \
-    -DGLAKE_BUILD_BENCHMARKS=ON -DGLAKE_BUILD_TOOLS=ON "$@" &&
+    -DGLAKE_BUILD_BENCHMARKS=ON -DGLAKE_BUILD_TOOLS=ON -DGLAKE_WERROR=ON "$@" &&
     cmake --build "$dir" -j2
 }
 

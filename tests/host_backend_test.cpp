@@ -38,8 +38,11 @@ std::optional<std::string> mapping_at(const void* p) {
     char perms[8] = {};
     if (std::sscanf(line.c_str(), "%llx-%llx %7s", &begin, &end, perms) != 3) continue;
     if (address >= begin && address < end) {
-      const auto path = line.find('/');
-      return std::string(perms) + (path == std::string::npos ? "" : " " + line.substr(path));
+      // Appended piece by piece, not `" " + line.substr(path)`: GCC 12 at -O2 and above sees a
+      // possibly overlapping memcpy in that insert at the front of a temporary (a false -Wrestrict).
+      std::string entry(perms);
+      if (const auto path = line.find('/'); path != std::string::npos) entry.append(" ").append(line, path);
+      return entry;
     }
   }
   return std::nullopt;

@@ -460,7 +460,10 @@ TEST_CASE("stitching: max_handle builds new memory from few large handles, none 
 
 TEST_CASE("stitching: min_handles sets the largest share of its segment one handle may take") {
   sim_device device(8 * GiB);
-  for (const auto& [min_handles, creates] : {std::pair{8, 8}, std::pair{2, 2}, std::pair{1, 2}, std::pair{16, 16}}) {
+  // Not a structured binding: CAPTURE takes min_handles in a lambda, which clang < 16 refuses.
+  for (const auto& row : {std::pair{8, 8}, std::pair{2, 2}, std::pair{1, 2}, std::pair{16, 16}}) {
+    const int min_handles = row.first;
+    const int creates = row.second;
     CAPTURE(min_handles);
     config cfg;
     cfg.max_handle = 1 * GiB;

@@ -11,7 +11,7 @@ then, without torch installed:
 
     tools/snapshot_to_trace.py x.pickle -o x.trace.gz
 
-Output is one event a line (see shared/traces/README.md):
+Output is one event a line (the format of the bundled traces, traces/README.md):
 
     a,<id>,<bytes>,<stream>   'alloc'; ids 0,1,2,... in order, never reused; bytes are the
                               request rounded up to 512 as PyTorch's allocator does (the

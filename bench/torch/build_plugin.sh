@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the PyTorch plug-in, libglake_torch.so, with one compiler call: no CMake, no nvcc, no
-# Boost package (the GPU machine has none; its headers come from .device-deps/include, packed by
-# ../shared/tools/pack-device-deps.sh, or from the system). glake_torch finds the result in
-# build/torch/ by itself.
+# Boost package (the GPU machine has none; its headers come from .device-deps/include, a copy of
+# the Boost headers glake includes (bench/torch/README.md), or from the system). glake_torch finds
+# the result in build/torch/ by itself.
 #
 #   bench/torch/build_plugin.sh [OUT]        default OUT: build/torch/libglake_torch.so
 #   bench/torch/build_plugin.sh --size-cache   the control allocator of finetune.py's `sizecache`
@@ -45,8 +45,8 @@ mkdir -p "$(dirname "$out")"
 # -lcuda links against the driver (its stub where the real one has no libcuda.so link); at run
 # time the real libcuda.so.1 is loaded. GLAKE_CHECKED=1 as in the CMake build: bad frees are caught.
 "$cxx" -std=c++20 -O2 -g -shared -fPIC -fvisibility=hidden -Wall -Wextra -DGLAKE_CHECKED=1 \
-  -Iinclude -Iadaptors/torch "${deps[@]}" -isystem "$cuda/include" \
-  adaptors/torch/glake_torch.cpp \
+  -Iinclude -Iintegrations/torch "${deps[@]}" -isystem "$cuda/include" \
+  integrations/torch/glake_torch.cpp \
   -L"$cuda/lib64" -L"$cuda/lib" -L"$cuda/lib64/stubs" -L"$cuda/lib/stubs" -lcuda \
   -Wl,--exclude-libs,ALL -Wl,-Bsymbolic -o "$out"
 echo "built $out ($("$cxx" --version | head -1))"

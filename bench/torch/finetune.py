@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """End-to-end fine-tuning under three CUDA allocators: PyTorch's default, expandable_segments, glake.
 
-The method of ../shared/reference/baseline.md: Hugging Face causal LMs built from their configs with
+The method of the H100 baseline in traces/README.md: Hugging Face causal LMs built from their configs with
 random weights (no downloads), bf16, batch 8, sequence length drawn uniformly from 64..1024 each step
 (one seed, so every allocator sees the same lengths and tokens), 14 steps, AdamW; peaks over the whole
 run; step time = median of steps 3..14, each step closed by torch.cuda.synchronize().
@@ -52,7 +52,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-GLAKE_TORCH = os.path.join(ROOT, "adaptors", "torch")
+GLAKE_TORCH = os.path.join(ROOT, "integrations", "torch")
 
 GB = 1e9
 BATCH = 8
@@ -786,7 +786,7 @@ def markdown(results, command):
         "# End-to-end fine-tuning: PyTorch's default allocator, expandable_segments and glake",
         "",
         f"GPU: {first.get('gpu', '?')}; torch {first.get('torch_version', '?')}, transformers "
-        f"{first.get('transformers_version', '?')}. Method: ../shared/reference/baseline.md (bf16, batch {BATCH}, "
+        f"{first.get('transformers_version', '?')}. Method: bench/torch/finetune.py's docstring (bf16, batch {BATCH}, "
         f"sequence length uniform in {MIN_LEN}..{MAX_LEN} per step, AdamW, each run its own process).",
         "",
         "Command:",

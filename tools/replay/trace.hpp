@@ -1,4 +1,4 @@
-// Reading allocation traces: the line format of ../shared/traces, gzip-compressed or plain.
+// Reading allocation traces: the line format of traces/README.md, gzip-compressed or plain.
 #pragma once
 
 #include <zlib.h>

@@ -5,7 +5,7 @@
 #include <map>
 #include <string>
 
-#include "../../adaptors/torch/settings.hpp"
+#include "../../integrations/torch/settings.hpp"
 #include "configurations.hpp"
 
 using namespace glake;

@@ -41,7 +41,8 @@ const configuration& named(const std::string& name) {
   throw std::runtime_error("no configuration " + name);
 }
 
-// ../shared/traces/README.md and ../shared/reference/baseline.md (H100, PyTorch 2.11).
+// The bundled traces' runs as traces/README.md lists them (H100, PyTorch 2.11): allocations and
+// peak active from the traces, peak reserved as measured under each PyTorch allocator.
 struct measured {
   const char* trace;
   std::size_t allocations;

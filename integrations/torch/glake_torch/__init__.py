@@ -1,13 +1,13 @@
 """glake's stitching allocator as PyTorch's CUDA allocator.
 
-    import glake_torch                     # PYTHONPATH=<glake>/adaptors/torch
+    import glake_torch                     # PYTHONPATH=<glake>/integrations/torch
     glake_torch.enable()                   # first thing: before anything touches CUDA
     ...                                    # train as usual
     glake_torch.stats()                    # {'peak_active_bytes': ..., 'peak_reserved_bytes': ..., ...}
     torch.cuda.empty_cache()               # releases glake's cached memory (reset hook)
 
 enable() loads libglake_torch.so (the argument `library`, else $GLAKE_TORCH_LIBRARY, else the
-build tree: build/torch/ from bench/torch/build_plugin.sh, or build*/**/adaptors/torch/ from CMake)
+build tree: build/torch/ from bench/torch/build_plugin.sh, or build*/**/integrations/torch/ from CMake)
 through torch.cuda.memory.CUDAPluggableAllocator and makes it the current allocator. Settings come
 from GLAKE_ALLOC_CONF ("frag_limit:2MiB,grow_stitch:true", see the README) and GMLake's variables,
 over the plug-in's defaults (glake-replay's "glake" composition); `conf` sets GLAKE_ALLOC_CONF.
@@ -19,7 +19,7 @@ torch.cuda.empty_cache() calls) and record_stream hook are set through the alloc
 Python bindings where this PyTorch has them; without set_reset_fn, torch.cuda.empty_cache is
 wrapped instead (hooks() says which). Out of memory raises a RuntimeError whose message contains
 "out of memory" (PyTorch does not turn a null from a pluggable allocator into an error, so the
-plug-in's alloc function used here throws; see adaptors/torch/README.md).
+plug-in's alloc function used here throws; see integrations/torch/README.md).
 
 Nothing here needs torch except enable(); stats(), empty_cache() and reset_peak_stats() work on
 the library alone (load()).
@@ -47,7 +47,7 @@ LIBRARY_NAME = "libglake_torch.so"
 ALLOC_FN = "glake_torch_malloc"
 FREE_FN = "glake_free"
 
-# adaptors/torch/glake_torch/__init__.py -> the repository root
+# integrations/torch/glake_torch/__init__.py -> the repository root
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 _lib = None
@@ -64,8 +64,8 @@ def _build_tree_candidates(root):
         return sorted(paths, key=os.path.getmtime, reverse=True)
 
     yield os.path.join(root, "build", "torch", LIBRARY_NAME)  # bench/torch/build_plugin.sh
-    yield from newest_first(glob.glob(os.path.join(root, "build", "*", "adaptors", "torch", LIBRARY_NAME)))
-    yield from newest_first(glob.glob(os.path.join(root, "build*", "adaptors", "torch", LIBRARY_NAME)))
+    yield from newest_first(glob.glob(os.path.join(root, "build", "*", "integrations", "torch", LIBRARY_NAME)))
+    yield from newest_first(glob.glob(os.path.join(root, "build*", "integrations", "torch", LIBRARY_NAME)))
 
 
 def library_path(library=None, root=None):

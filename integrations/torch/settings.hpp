@@ -29,13 +29,12 @@ inline constexpr std::pair<const char*, const char*> default_variables[] = {
 /// ~3 ms from 8 MiB ones. Handles partly in use cannot be stitched, which costs a little
 /// utilization (0.983-0.995 over the nine replayed traces against 0.987-0.997 with 2 MiB only;
 /// 16 MiB falls to 0.978, below the 0.98 glake keeps). Cached stitches are repaired by free
-/// handles of the same size and grow by whole handles. bench/results/replay.md, "Handles of up to
-/// 8 MiB" and "Repair and growth with handles of several sizes", has the measurements;
-/// `max_handle:0` restores 2 MiB handles.
+/// handles of the same size and grow by whole handles. docs/handles.md and bench/results/replay.md
+/// ("Key findings") have the measurements; `max_handle:0` restores 2 MiB handles.
 /// Streams' events at most every 20 ms, not every 1 ms: under FSDP2 (rank 0 of two on the fake
 /// process group, one H100) the 1 ms default recorded and queried ~180 events per step, ~1.2 ms
 /// of host time; 20 ms leaves ~22 and ~0.24 ms, with the same memory and driver calls
-/// (bench/results/finetune.md, session 16). `event_interval_us:1000` restores the library's.
+/// (docs/streams.md, docs/experiments.md). `event_interval_us:1000` restores the library's.
 inline config default_base() {
   config c;
   c.max_handle = 8 * MiB;

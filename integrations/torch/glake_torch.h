@@ -1,6 +1,6 @@
 /* The C interface of libglake_torch.so, glake's stitching allocator for PyTorch's
  * CUDAPluggableAllocator (one allocator per device; settings from GLAKE_ALLOC_CONF and GMLake's
- * variables; see adaptors/torch/README.md). Streams are CUDA streams (cudaStream_t and CUstream
+ * variables; see integrations/torch/README.md). Streams are CUDA streams (cudaStream_t and CUstream
  * are both `struct CUstream_st*`). Every function may be called from any thread. Except
  * glake_torch_malloc, none lets an error escape: failures are written to stderr, one line each. */
 #ifndef GLAKE_TORCH_H

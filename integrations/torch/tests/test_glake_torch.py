@@ -7,8 +7,8 @@ functions up) and records what enable() asks of it. With $GLAKE_REPLAY (glake-re
 recorded by the plug-in is replayed and must give the plug-in's own peaks.
 
 Run: ctest -R torch_plugin.python, or
-     GLAKE_TORCH_SIM_LIBRARY=build/debug/adaptors/torch/libglake_torch_sim.so \
-         python3 -m unittest discover -s adaptors/torch/tests -v
+     GLAKE_TORCH_SIM_LIBRARY=build/debug/integrations/torch/libglake_torch_sim.so \
+         python3 -m unittest discover -s integrations/torch/tests -v
 """
 
 import contextlib
@@ -129,8 +129,8 @@ def torch_replaced_by(torch):
 class LibraryPath(unittest.TestCase):
     def test_argument_then_environment_then_build_tree(self):
         with tempfile.TemporaryDirectory() as root:
-            older = os.path.join(root, "build", "debug", "adaptors", "torch", glake_torch.LIBRARY_NAME)
-            newer = os.path.join(root, "build", "release", "adaptors", "torch", glake_torch.LIBRARY_NAME)
+            older = os.path.join(root, "build", "debug", "integrations", "torch", glake_torch.LIBRARY_NAME)
+            newer = os.path.join(root, "build", "release", "integrations", "torch", glake_torch.LIBRARY_NAME)
             given = os.path.join(root, "mine.so")
             for i, path in enumerate((older, newer, given)):
                 os.makedirs(os.path.dirname(path), exist_ok=True)
