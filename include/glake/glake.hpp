@@ -4,6 +4,7 @@
 #include "glake/adaptors/pluggable_allocator.hpp"
 #include "glake/adaptors/pmr_resource.hpp"
 #include "glake/allocators/caching_allocator.hpp"
+#include "glake/allocators/concepts.hpp"
 #include "glake/allocators/segment_source.hpp"
 #include "glake/allocators/stitching_allocator.hpp"
 #include "glake/backends/concepts.hpp"
