@@ -15,11 +15,14 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "glake/adaptors/pluggable_allocator.hpp"
+#include "glake/allocators/segregator.hpp"
 #include "glake/allocators/stitching_allocator.hpp"
 #include "glake/backends/sim.hpp"
+#include "support/evented_reserver.hpp"
 
 using namespace glake;
 
@@ -165,6 +168,43 @@ TEST_CASE("pluggable_allocator: bad frees and record_streams are logged and coun
   CHECK(plugin.errors() == 5);
   CHECK(stats_of(plugin, 1).at("active_bytes") == 0);
   std::fclose(log);
+}
+
+TEST_CASE("pluggable_allocator: record_stream reaches the part of a segregator that owns the pointer") {
+  using testing::event_log;
+  using testing::evented_reserver;
+  using evented_stitching = stitching_allocator<sim_provider, evented_reserver>;
+  using two_pools = segregator<evented_stitching, evented_stitching, mutex_lock>;
+  static_assert(stream_recording_allocator<two_pools>);
+  sim_device device(16 * GiB);
+  event_log log;
+  config large_settings;
+  large_settings.small_limit = 0;
+  pluggable_allocator<two_pools> plugin(
+      [&](int) {
+        return std::make_unique<two_pools>(MiB, std::tuple{sim_provider{device}, evented_reserver{device, log}},
+                                           std::tuple{sim_provider{device}, evented_reserver{device, log},
+                                                      large_settings});
+      },
+      options_for<pluggable_allocator<two_pools>>(nullptr));
+  const stream_ref a{1}, b{2};
+  void* small = plugin.allocate(1000, 0, a);
+  void* large = plugin.allocate(8 * MiB, 0, a);
+  plugin.record_stream(small, b);
+  plugin.record_stream(large, b);
+  plugin.deallocate(small, 1000, 0, a);
+  plugin.deallocate(large, 8 * MiB, 0, a);
+  CHECK(plugin.errors() == 0);
+  // Each part keeps its block until b's work is done, rather than reusing it at once.
+  two_pools& pools = *plugin.find(0);
+  CHECK(log.events.size() == 2);
+  CHECK(pools.small().stats().active_bytes == 1000);
+  CHECK(pools.large().stats().active_bytes == 8 * MiB);
+  log.complete(b);
+  plugin.release_cached(0);
+  CHECK(pools.small().stats().active_bytes == 0);
+  CHECK(pools.large().stats().active_bytes == 0);
+  CHECK(stats_of(plugin, 0).at("reserved_bytes") == 0);
 }
 
 TEST_CASE("pluggable_allocator: each call runs inside a scope for its device") {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "glake/allocators/caching_allocator.hpp"
+#include "glake/allocators/concepts.hpp"
 #include "glake/allocators/segment_source.hpp"
 #include "glake/allocators/segregator.hpp"
 #include "glake/allocators/stitching_allocator.hpp"
@@ -46,7 +47,7 @@ class replayable {
   virtual const sim_device& device() const = 0;
 };
 
-template <class Allocator>
+template <allocator Allocator>
 class replayable_allocator final : public replayable {
  public:
   template <class Make>

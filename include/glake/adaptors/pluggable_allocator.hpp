@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <concepts>
 #include <cstdarg>
 #include <cstddef>
 #include <cstdint>
@@ -21,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "glake/allocators/concepts.hpp"
 #include "glake/allocators/device_registry.hpp"
 #include "glake/detail/accounting.hpp"
 #include "glake/errors.hpp"
@@ -36,32 +36,15 @@
 
 namespace glake {
 
-// ---------------------------------------------------------------------------------------------
-// pluggable_allocatable: what pluggable_allocator needs of the allocator it serves each device with
-//
-// | expression            | returns    | throws | meaning
-// |-----------------------|------------|--------|------------------------------------------------
-// | a.allocate(n, s)      | void*      | yes    | n bytes on stream s; out_of_memory when it cannot
-// | a.deallocate(p, n, s) | void       | maybe  | returns p; usage_error for a pointer not live here
-// | a.release_cached()    | void       | maybe  | gives cached memory back to the backend
-// | ca.stats()            | statistics | maybe  | the allocator's accounting
-// | ca.reserved_bytes()   | size_t     | maybe  | physical bytes held now
-// | ca.owns(p)            | bool       | maybe  | p is a live allocation of this allocator
-// | a.reset_peaks()       | statistics | maybe  | peaks restart from now; the statistics before
-//
-// Optional: a.record_stream(p, s) (PyTorch's record_stream), forwarded when present.
-// Every call may come from any thread, so the allocator must lock (e.g. `mutex_lock`).
-// ---------------------------------------------------------------------------------------------
+/// What pluggable_allocator needs of the allocator it serves each device with (see
+/// allocators/concepts.hpp): owns (to find a pointer's device and, in unchecked builds, to
+/// refuse foreign frees), release_cached (empty_cache) and reset_peaks (reset_peak). When it is
+/// a stream_recording_allocator, record_stream is forwarded to it; otherwise record_stream only
+/// checks that the pointer is live (such an allocator has no way to defer a free). Every call
+/// may come from any thread, so the allocator must lock (e.g. `mutex_lock`).
 template <class A>
-concept pluggable_allocatable = requires(A& a, const A& ca, void* p, std::size_t n, stream_ref s) {
-  { a.allocate(n, s) } -> std::same_as<void*>;
-  a.deallocate(p, n, s);
-  a.release_cached();
-  { ca.stats() } -> std::same_as<statistics>;
-  { ca.reserved_bytes() } -> std::same_as<std::size_t>;
-  { ca.owns(p) } -> std::same_as<bool>;
-  { a.reset_peaks() } -> std::same_as<statistics>;
-};
+concept pluggable_allocatable =
+    owning_allocator<A> && cache_releasing_allocator<A> && peak_resetting_allocator<A>;
 
 /// Brackets each per-device operation; a backend whose calls need per-thread state (a CUDA
 /// context) supplies one that sets it up for `device` and restores it. This one does nothing.
@@ -352,14 +335,15 @@ class pluggable_allocator {
   }
 
   /// The allocation at `p` is also used by work queued on `stream` (PyTorch's record_stream):
-  /// forwarded to the owning device's allocator when it has record_stream, else nothing to do.
+  /// forwarded to the owning device's allocator when it is a stream_recording_allocator; for
+  /// any other allocator only the pointer is checked.
   void record_stream(void* p, stream_ref stream) noexcept {
     try {
       bool found = false;
       registry_.for_each([&](int device, slot& s) {
         if (found || !s.allocator->owns(p)) return;
         found = true;
-        if constexpr (requires { s.allocator->record_stream(p, stream); }) {
+        if constexpr (stream_recording_allocator<Allocator>) {
           DeviceScope scope(device);
           s.allocator->record_stream(p, stream);
         }

@@ -1,24 +1,20 @@
 // A std::pmr::memory_resource over any glake allocator, for code written against pmr.
 #pragma once
 
-#include <concepts>
 #include <cstddef>
 #include <memory_resource>
 #include <string>
 
+#include "glake/allocators/concepts.hpp"
 #include "glake/errors.hpp"
 #include "glake/stream.hpp"
 
 namespace glake {
 
-/// What pmr_resource needs of an allocator: stream-ordered allocate/deallocate and the alignment
-/// it guarantees.
+/// What pmr_resource needs of an allocator: any glake allocator (it uses allocate, deallocate
+/// and alignment, and no optional capability).
 template <class A>
-concept pmr_adaptable = requires(A& a, const A& ca, void* p, std::size_t n, stream_ref s) {
-  { a.allocate(n, s) } -> std::same_as<void*>;
-  a.deallocate(p, n, s);
-  { ca.alignment() } noexcept -> std::same_as<std::size_t>;
-};
+concept pmr_adaptable = allocator<A>;
 
 /// Adapts an allocator the caller owns (by reference) to std::pmr::memory_resource, on one
 /// stream fixed at construction. Zero-byte requests get a distinct one-byte allocation, as pmr

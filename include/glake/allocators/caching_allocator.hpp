@@ -10,7 +10,9 @@
 #include <utility>
 #include <vector>
 
+#include "glake/allocators/concepts.hpp"
 #include "glake/allocators/segment_source.hpp"
+#include "glake/detail/archetypes.hpp"
 #include "glake/detail/accounting.hpp"
 #include "glake/detail/block_arena.hpp"
 #include "glake/detail/node_pool.hpp"
@@ -388,5 +390,12 @@ class caching_allocator {
   detail::usage_counters counters_;
   [[no_unique_address]] mutable Lock lock_;
 };
+
+// Over any segment source: an owning, cache-releasing, peak-resetting allocator. It records no
+// streams: it reuses a block only on its own stream and has no events to defer a free with.
+static_assert(owning_allocator<caching_allocator<detail::segment_source_archetype>>);
+static_assert(cache_releasing_allocator<caching_allocator<detail::segment_source_archetype>>);
+static_assert(peak_resetting_allocator<caching_allocator<detail::segment_source_archetype>>);
+static_assert(!stream_recording_allocator<caching_allocator<detail::segment_source_archetype>>);
 
 }  // namespace glake

@@ -8,7 +8,9 @@
 #include <tuple>
 #include <utility>
 
+#include "glake/allocators/concepts.hpp"
 #include "glake/detail/accounting.hpp"
+#include "glake/detail/archetypes.hpp"
 #include "glake/errors.hpp"
 #include "glake/policies/locking.hpp"
 #include "glake/statistics.hpp"
@@ -21,11 +23,18 @@ namespace glake {
 /// (2 MiB segments) apart from large ones, and how GMLake puts its stitching pool beside
 /// PyTorch's small pool. Both parts are built in place (they are not movable).
 ///
-/// Complexity: one comparison over the parts' own. Thread safety: as the Lock policy, one lock
-/// around both parts (give the parts no_lock). Streams and errors: the parts'. Statistics add
-/// the parts' event counts and reserved bytes; active bytes and peaks are the segregator's own,
-/// so a peak is the peak of the sum, not the sum of the peaks.
-template <class Small, class Large, lock_policy Lock = no_lock>
+/// Optional capabilities (allocators/concepts.hpp) are forwarded when both parts have them:
+/// owns asks both; release_cached and reset_peaks go to both; record_stream goes to the part
+/// that owns the pointer, so it needs owns of both parts as well (it is given no size to route
+/// by). A capability that only one part has is not offered: the segregator could not honour it
+/// for the other part's pointers.
+///
+/// Complexity: one comparison over the parts' own (record_stream: the parts' owns). Thread
+/// safety: as the Lock policy, one lock around both parts (give the parts no_lock). Streams and
+/// errors: the parts'. Statistics add the parts' event counts and reserved bytes; active bytes
+/// and peaks are the segregator's own, so a peak is the peak of the sum, not the sum of the
+/// peaks.
+template <allocator Small, allocator Large, lock_policy Lock = no_lock>
 class segregator {
  public:
   template <class... SmallArgs, class... LargeArgs>
@@ -61,27 +70,91 @@ class segregator {
         return 0;
       });
     } catch (const usage_error& e) {
-      // A size on the wrong side of the threshold looks foreign to the part it routes to.
-      const bool other_owns = bytes <= threshold_ ? large_.owns(p) : small_.owns(p);
-      if (e.which() != usage_error::kind::foreign_pointer || !other_owns) throw;
-      throw usage_error(usage_error::kind::size_mismatch,
-                        "glake::segregator: deallocate of " + detail::pointer_text(p) + " with size " +
-                            std::to_string(bytes) + ", but it was allocated with a size on the other side of " +
-                            std::to_string(threshold_) + " bytes");
+      // A size on the wrong side of the threshold looks foreign to the part it routes to; with
+      // owns, the other part can say so and the error names the real mistake.
+      if constexpr (owning_allocator<Small> && owning_allocator<Large>) {
+        const bool other_owns = bytes <= threshold_ ? large_.owns(p) : small_.owns(p);
+        if (e.which() != usage_error::kind::foreign_pointer || !other_owns) throw;
+        throw usage_error(usage_error::kind::size_mismatch,
+                          "glake::segregator: deallocate of " + detail::pointer_text(p) + " with size " +
+                              std::to_string(bytes) + ", but it was allocated with a size on the other side of " +
+                              std::to_string(threshold_) + " bytes");
+      } else {
+        throw;
+      }
     }
     counters_.on_deallocate(bytes, 0);
     track_reserved();
   }
 
-  void release_cached() {
+  /// Both parts give back what they cache.
+  void release_cached()
+    requires cache_releasing_allocator<Small> && cache_releasing_allocator<Large>
+  {
     std::lock_guard guard(lock_);
     small_.release_cached();
     large_.release_cached();
     track_reserved();
   }
 
+  /// The allocation at `p` is also used by work on `stream`: told to the part that owns `p`.
+  /// Throws usage_error when neither does (the large part's, which has never seen it).
+  void record_stream(void* p, stream_ref stream)
+    requires stream_recording_allocator<Small> && stream_recording_allocator<Large> &&
+             owning_allocator<Small> && owning_allocator<Large>
+  {
+    std::lock_guard guard(lock_);
+    if (small_.owns(p)) {
+      small_.record_stream(p, stream);
+    } else {
+      large_.record_stream(p, stream);
+    }
+  }
+
   statistics stats() const {
     std::lock_guard guard(lock_);
+    return stats_locked();
+  }
+
+  /// The segregator's peaks and both parts' restart from the current values; returns the
+  /// statistics just before, as stats() would have given them.
+  statistics reset_peaks()
+    requires peak_resetting_allocator<Small> && peak_resetting_allocator<Large>
+  {
+    std::lock_guard guard(lock_);
+    const statistics before = stats_locked();
+    small_.reset_peaks();
+    large_.reset_peaks();
+    counters_.reset_peaks();
+    return before;
+  }
+
+  void verify() const {
+    std::lock_guard guard(lock_);
+    small_.verify();
+    large_.verify();
+  }
+
+  bool owns(const void* p) const
+    requires owning_allocator<Small> && owning_allocator<Large>
+  {
+    std::lock_guard guard(lock_);
+    return small_.owns(p) || large_.owns(p);
+  }
+
+  /// Physical bytes held now by both parts.
+  std::size_t reserved_bytes() const {
+    std::lock_guard guard(lock_);
+    return small_.reserved_bytes() + large_.reserved_bytes();
+  }
+
+  std::size_t alignment() const noexcept { return std::min(small_.alignment(), large_.alignment()); }
+  std::size_t threshold() const noexcept { return threshold_; }
+  Small& small() noexcept { return small_; }
+  Large& large() noexcept { return large_; }
+
+ private:
+  statistics stats_locked() const {
     const statistics a = small_.stats(), b = large_.stats();
     statistics s = counters_.s;
     s.allocated_bytes = a.allocated_bytes + b.allocated_bytes;
@@ -110,29 +183,6 @@ class segregator {
     return s;
   }
 
-  void verify() const {
-    std::lock_guard guard(lock_);
-    small_.verify();
-    large_.verify();
-  }
-
-  bool owns(const void* p) const {
-    std::lock_guard guard(lock_);
-    return small_.owns(p) || large_.owns(p);
-  }
-
-  /// Physical bytes held now by both parts.
-  std::size_t reserved_bytes() const {
-    std::lock_guard guard(lock_);
-    return small_.reserved_bytes() + large_.reserved_bytes();
-  }
-
-  std::size_t alignment() const noexcept { return std::min(small_.alignment(), large_.alignment()); }
-  std::size_t threshold() const noexcept { return threshold_; }
-  Small& small() noexcept { return small_; }
-  Large& large() noexcept { return large_; }
-
- private:
   template <class F>
   auto part_for(std::size_t bytes, F&& f) {
     return bytes <= threshold_ ? f(small_) : f(large_);
@@ -156,5 +206,18 @@ class segregator {
   detail::usage_counters counters_;
   [[no_unique_address]] mutable Lock lock_;
 };
+
+// Each optional capability exactly when both parts have it.
+static_assert(allocator<segregator<detail::allocator_archetype, detail::allocator_archetype>>);
+static_assert(!owning_allocator<segregator<detail::allocator_archetype, detail::allocator_archetype>>);
+static_assert(!cache_releasing_allocator<segregator<detail::allocator_archetype, detail::allocator_archetype>>);
+static_assert(!peak_resetting_allocator<segregator<detail::allocator_archetype, detail::allocator_archetype>>);
+static_assert(!stream_recording_allocator<segregator<detail::allocator_archetype, detail::allocator_archetype>>);
+static_assert(owning_allocator<segregator<detail::full_allocator_archetype, detail::full_allocator_archetype>>);
+static_assert(cache_releasing_allocator<segregator<detail::full_allocator_archetype, detail::full_allocator_archetype>>);
+static_assert(peak_resetting_allocator<segregator<detail::full_allocator_archetype, detail::full_allocator_archetype>>);
+static_assert(stream_recording_allocator<segregator<detail::full_allocator_archetype, detail::full_allocator_archetype>>);
+static_assert(!owning_allocator<segregator<detail::full_allocator_archetype, detail::allocator_archetype>>);
+static_assert(!stream_recording_allocator<segregator<detail::allocator_archetype, detail::full_allocator_archetype>>);
 
 }  // namespace glake

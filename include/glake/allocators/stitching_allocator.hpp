@@ -17,7 +17,9 @@
 #include "glake/allocators/caching_allocator.hpp"
 #include "glake/backends/concepts.hpp"
 #include "glake/config.hpp"
+#include "glake/allocators/concepts.hpp"
 #include "glake/detail/accounting.hpp"
+#include "glake/detail/archetypes.hpp"
 #include "glake/detail/deferred_frees.hpp"
 #include "glake/detail/segment_pool.hpp"
 #include "glake/detail/stitcher.hpp"
@@ -591,6 +593,13 @@ class stitching_allocator {
   std::vector<segment*> pinned_;  // scratch: segments a live stitch keeps from release (bounded)
   [[no_unique_address]] mutable Lock lock_;
 };
+
+static_assert(stream_recording_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
+static_assert(owning_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
+static_assert(cache_releasing_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
+static_assert(peak_resetting_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
+static_assert(stream_recording_allocator<
+              stitching_allocator<detail::provider_archetype, detail::evented_reserver_archetype, no_stitching>>);
 
 }  // namespace glake
 

@@ -1,0 +1,142 @@
+// What every glake allocator offers (the `allocator` concept) and the optional capabilities some
+// have (its refinements), so that wrappers and adaptors test for a capability instead of
+// restating an interface.
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+
+#include "glake/statistics.hpp"
+#include "glake/stream.hpp"
+
+namespace glake {
+
+// ---------------------------------------------------------------------------------------------
+// allocator
+//
+// Stream-ordered memory with accounting. `a` is an A, `ca` a const A, `n` a byte count, `s` a
+// stream_ref, `p` a pointer that `a` returned for `n` bytes.
+//
+// | expression             | returns     | throws             | meaning
+// |------------------------|-------------|--------------------|-----------------------------------
+// | a.allocate(n, s)       | void*       | out_of_memory,     | at least n bytes for work on s,
+// |                        |             | driver errors      | aligned to ca.alignment(); null for
+// |                        |             |                    | n == 0; state unchanged on throw
+// | a.try_allocate(n, s)   | void*       | driver errors      | as allocate, but null when out of
+// |                        |             |                    | memory
+// | a.deallocate(p, n, s)  | void        | usage_error        | gives p back (freed on stream s);
+// |                        |             | (checked builds)   | null is ignored; a foreign pointer,
+// |                        |             |                    | double free or other n is misuse
+// | ca.stats()             | statistics  | no (may lock)      | a snapshot of the accounting
+// | ca.reserved_bytes()    | std::size_t | no (may lock)      | stats().reserved_bytes, cheaply:
+// |                        |             |                    | wrappers read it after every call
+// | ca.alignment()         | std::size_t | no (noexcept)      | every pointer returned is aligned
+// |                        |             |                    | to at least this
+// | ca.verify()            | void        | std::logic_error   | checks every internal invariant;
+// |                        |             |                    | the message names the broken one
+//
+// reserved_bytes and alignment are required, not optional: every model has them, a segregator
+// reads its parts' reserved bytes after every call, and pmr_resource refuses alignments above the
+// allocator's. The models have `default_stream` as a default argument for s; the concept does
+// not ask for it. Thread safety is each model's own (its Lock policy); the concept promises none.
+//
+// Smallest model (tests/allocator_concepts_test.cpp compiles it; it has no refinement):
+//
+//   class malloc_allocator {
+//    public:
+//     void* allocate(std::size_t n, glake::stream_ref s) {
+//       if (void* p = try_allocate(n, s); p != nullptr || n == 0) return p;
+//       throw glake::out_of_memory(n, 0, stats_.active_bytes, "malloc_allocator: out of memory");
+//     }
+//     void* try_allocate(std::size_t n, glake::stream_ref) {
+//       void* p = n == 0 ? nullptr : std::malloc(n);
+//       if (p != nullptr) stats_.active_bytes += n;
+//       return p;
+//     }
+//     void deallocate(void* p, std::size_t n, glake::stream_ref) {
+//       if (p != nullptr) stats_.active_bytes -= n;
+//       std::free(p);
+//     }
+//     glake::statistics stats() const { return stats_; }
+//     std::size_t reserved_bytes() const { return 0; }
+//     std::size_t alignment() const noexcept { return alignof(std::max_align_t); }
+//     void verify() const {}
+//    private:
+//     glake::statistics stats_;
+//   };
+//
+// Models: caching_allocator, stitching_allocator, segregator.
+// ---------------------------------------------------------------------------------------------
+template <class A>
+concept allocator = requires(A& a, const A& ca, void* p, std::size_t n, stream_ref s) {
+  { a.allocate(n, s) } -> std::same_as<void*>;
+  { a.try_allocate(n, s) } -> std::same_as<void*>;
+  { a.deallocate(p, n, s) } -> std::same_as<void>;
+  { ca.stats() } -> std::same_as<statistics>;
+  { ca.reserved_bytes() } -> std::same_as<std::size_t>;
+  { ca.alignment() } noexcept -> std::same_as<std::size_t>;
+  { ca.verify() } -> std::same_as<void>;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Refinements: the optional capabilities. A type has one only if it really does it, never as a
+// stub that always fails; a wrapper has one only when it can forward it (segregator: when both
+// parts have it), so a capability is never dropped without a compile-time trace. Adaptors test
+// them with `if constexpr (stream_recording_allocator<A>)` and the like. `q` is a const void*.
+//
+// Which model has which:
+//   caching_allocator         owning, cache_releasing, peak_resetting
+//   stitching_allocator       owning, cache_releasing, peak_resetting, stream_recording
+//   segregator<Small, Large>  each one that both parts have; stream_recording only when both
+//                             parts are also owning (record_stream names no size, so owns is
+//                             how it finds the part)
+// ---------------------------------------------------------------------------------------------
+
+// owning_allocator
+//
+// | expression  | returns | throws | meaning
+// |-------------|---------|--------|--------------------------------------------------------------
+// | ca.owns(q)  | bool    | no     | q is a live allocation of this allocator (its start address)
+template <class A>
+concept owning_allocator = allocator<A> && requires(const A& ca, const void* q) {
+  { ca.owns(q) } -> std::same_as<bool>;
+};
+
+// cache_releasing_allocator
+//
+// | expression         | returns | throws        | meaning
+// |--------------------|---------|---------------|-------------------------------------------------
+// | a.release_cached() | void    | driver errors | memory held but not in use goes back to the
+// |                    |         |               | backend (PyTorch's empty_cache); live
+// |                    |         |               | allocations stay valid
+template <class A>
+concept cache_releasing_allocator = allocator<A> && requires(A& a) {
+  { a.release_cached() } -> std::same_as<void>;
+};
+
+// peak_resetting_allocator
+//
+// | expression      | returns    | throws | meaning
+// |-----------------|------------|--------|---------------------------------------------------------
+// | a.reset_peaks() | statistics | no     | the peaks (active, allocated, reserved) restart from the
+// |                 |            |        | current values; returns the statistics just before, so
+// |                 |            |        | no peak between reading and resetting is lost
+template <class A>
+concept peak_resetting_allocator = allocator<A> && requires(A& a) {
+  { a.reset_peaks() } -> std::same_as<statistics>;
+};
+
+// stream_recording_allocator
+//
+// | expression            | returns | throws             | meaning
+// |-----------------------|---------|--------------------|------------------------------------------
+// | a.record_stream(p, s) | void    | usage_error for a  | p is also used by work queued on s
+// |                       |         | p not live here;   | (PyTorch's record_stream): once p is
+// |                       |         | driver errors      | freed, its memory is reused only after
+// |                       |         |                    | the work queued on s by then completed
+template <class A>
+concept stream_recording_allocator = allocator<A> && requires(A& a, void* p, stream_ref s) {
+  { a.record_stream(p, s) } -> std::same_as<void>;
+};
+
+}  // namespace glake
