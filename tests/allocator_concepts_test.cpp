@@ -213,11 +213,6 @@ struct segregator_one_part_minimal_model {
       stitching_gmlake_model, stitching_evented_model, segregator_pytorch_model,                  \
       segregator_gmlake_model, segregator_stitching_model, segregator_nested_model
 
-// stitching_allocator.hpp has no check after the class yet; these stand in for it.
-static_assert(allocator<sim_stitching>);
-static_assert(owning_allocator<sim_stitching> && cache_releasing_allocator<sim_stitching> &&
-              peak_resetting_allocator<sim_stitching> && stream_recording_allocator<sim_stitching>);
-
 TEST_CASE("allocator concepts: the smallest model is an allocator with no refinement, and it works") {
   CHECK(allocator<malloc_allocator>);
   CHECK_FALSE(owning_allocator<malloc_allocator>);
