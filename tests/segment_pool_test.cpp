@@ -168,30 +168,32 @@ TEST_CASE("segment pool: out of memory is null with nothing counted or left behi
   config limited = handles_up_to(4 * M, 1);
   limited.memory_limit = 8 * M;
   sim_device roomy(1 * GiB);
-  pool_type capped(sim_provider{roomy}, sim_reserver{roomy}, limited, counters);
-  REQUIRE(capped.add_segment(8 * M, A) != nullptr);
-  CHECK(capped.add_segment(2 * M, A) == nullptr);  // over the memory limit
-  CHECK(counters.s.segments_created == 1);
-  CHECK(roomy.physical_bytes() == 8 * M);
-  CHECK(roomy.calls()[driver_call::create] == 2);  // the refused segment made no call
-  capped.destroy_all();
+  {
+    pool_type capped(sim_provider{roomy}, sim_reserver{roomy}, limited, counters);
+    REQUIRE(capped.add_segment(8 * M, A) != nullptr);
+    CHECK(capped.add_segment(2 * M, A) == nullptr);  // over the memory limit
+    CHECK(counters.s.segments_created == 1);
+    CHECK(roomy.physical_bytes() == 8 * M);
+    CHECK(roomy.calls()[driver_call::create] == 2);  // the refused segment made no call
+  }  // the pool gives its segment back
   CHECK(roomy.physical_bytes() == 0);
   CHECK(roomy.reserved_bytes() == 0);
   CHECK(roomy.violations() == 0);
 }
 
-TEST_CASE("segment pool: destroy_all gives every segment back, whatever its blocks") {
+TEST_CASE("segment pool: its destruction gives every segment back, whatever its blocks") {
   sim_device device(1 * GiB);
   detail::usage_counters counters;
-  pool_type pool(sim_provider{device}, sim_reserver{device}, handles_up_to(8 * M, 2), counters);
-  auto* b1 = pool.add_segment(16 * M, A);
-  auto* b2 = pool.add_segment(6 * M, B);
-  REQUIRE(b1 != nullptr);
-  REQUIRE(b2 != nullptr);
-  pool.leave_free_queue(b1);
-  pool.arena().take(b1, 10 * M);
-  REQUIRE(device.live_handles() == 2 + 3);  // 8 + 8, and 2 + 2 + 2 (none above half of 6)
-  pool.destroy_all();
+  {
+    pool_type pool(sim_provider{device}, sim_reserver{device}, handles_up_to(8 * M, 2), counters);
+    auto* b1 = pool.add_segment(16 * M, A);
+    auto* b2 = pool.add_segment(6 * M, B);
+    REQUIRE(b1 != nullptr);
+    REQUIRE(b2 != nullptr);
+    pool.leave_free_queue(b1);
+    pool.arena().take(b1, 10 * M);
+    REQUIRE(device.live_handles() == 2 + 3);  // 8 + 8, and 2 + 2 + 2 (none above half of 6)
+  }
   CHECK(device.physical_bytes() == 0);
   CHECK(device.live_handles() == 0);
   CHECK(device.reserved_bytes() == 0);

@@ -564,7 +564,8 @@ class stitching_allocator {
     }
     if constexpr (stitches) stitcher_.release_all();
     small_.release_free_segments(~std::size_t{0});
-    pool_.destroy_all();
+    // The pool gives every segment back when it is destroyed, after the small pool (declared
+    // after it) has returned its live blocks.
   }
 
   // ------------------------------------------------------------------ reporting

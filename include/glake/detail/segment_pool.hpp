@@ -51,6 +51,10 @@ class segment_pool {
         chunk_(chosen_chunk(cfg, backend_.granularity())), growth_(cfg, chunk_), counters_(&counters) {
     handle_sizes_.reserve(64);
   }
+  segment_pool(const segment_pool&) = delete;
+  segment_pool& operator=(const segment_pool&) = delete;
+  /// Every segment goes back to the backend, live blocks or not (a live one is the owner's leak).
+  ~segment_pool() { destroy_all(); }
 
   backend_type& backend() noexcept { return backend_; }
   const backend_type& backend() const noexcept { return backend_; }
@@ -129,7 +133,8 @@ class segment_pool {
     return largest;
   }
 
-  /// At destruction: every segment back to the backend, whatever its blocks.
+ private:
+  // At destruction: every segment back to the backend, whatever its blocks.
   void destroy_all() noexcept {
     std::vector<segment*> all;
     try {
@@ -142,7 +147,6 @@ class segment_pool {
     for (segment* s : all) backend_.destroy_segment(s->mapping);
   }
 
- private:
   static std::size_t chosen_chunk(const config& cfg, std::size_t granularity) {
     const std::size_t chunk = cfg.chunk_size == 0 ? granularity : cfg.chunk_size;
     if (chunk % granularity != 0) {
