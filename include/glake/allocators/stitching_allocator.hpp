@@ -295,29 +295,31 @@ class stitching_allocator {
     if (detail::round_up_overflows(bytes, pool_.chunk())) return nullptr;
     const std::size_t size = detail::round_up(bytes, pool_.chunk());
     pool_.arena().reserve_nodes(2);
+    // The ladder's first step, the common case, written out here so that it stays inline.
+    if (block_type* b = pool_.arena().best_fit(stream, size)) return hand_out(b, size, bytes);
     return allocate_large(request{size, bytes, stream, stitches && admission_.may_stitch(size)});
   }
 
-  // The first step that serves the request wins; steps that only make room return null.
+  // Once no free block of the stream fits (allocate_locked's first step): the first step that
+  // serves the request wins; steps that only make room return null. The steps are template
+  // arguments, so each is a direct call.
   void* allocate_large(const request& r) {
-    return first_of(r,
-                    // What is free for this request now.
-                    &self::from_free_block, &self::reuse_cached_stitch, &self::adopt_one_block,
-                    &self::repair_cached_stitch,
-                    // Rung 0: nothing reclaimed.
-                    &self::template new_stitch_on<0>, &self::reclaim_small_pool, &self::gather_other_streams,
-                    &self::wait_for_other_streams, &self::grow_shortfall, &self::new_segment,
-                    // Rung 1: deferred frees, then cached ranges and free segments for the request.
-                    &self::template new_stitch_on<1>, &self::finish_deferred_frees, &self::release_for_request,
-                    &self::grow_shortfall, &self::new_segment,
-                    // Rung 2: everything free released.
-                    &self::template new_stitch_on<2>, &self::release_all_free, &self::grow_shortfall,
-                    &self::new_segment);
+    return first_of<
+        // What else is free for this request now.
+        &self::reuse_cached_stitch, &self::adopt_one_block, &self::repair_cached_stitch,
+        // Rung 0: nothing reclaimed.
+        &self::template new_stitch_on<0>, &self::reclaim_small_pool, &self::gather_other_streams,
+        &self::wait_for_other_streams, &self::grow_shortfall, &self::new_segment,
+        // Rung 1: deferred frees, then cached ranges and free segments for the request.
+        &self::template new_stitch_on<1>, &self::finish_deferred_frees, &self::release_for_request,
+        &self::grow_shortfall, &self::new_segment,
+        // Rung 2: everything free released.
+        &self::template new_stitch_on<2>, &self::release_all_free, &self::grow_shortfall, &self::new_segment>(r);
   }
-  template <class... Step>
-  void* first_of(const request& r, Step... steps) {
+  template <auto... Steps>
+  void* first_of(const request& r) {
     void* p = nullptr;
-    (void)(... || ((p = (this->*steps)(r)) != nullptr));
+    (void)(... || ((p = (this->*Steps)(r)) != nullptr));
     return p;
   }
 

@@ -148,7 +148,4 @@ class stitch_cache {
   std::size_t cached_bytes_ = 0;
 };
 
-/// For allocators that never stitch: no range, no index.
-struct no_stitch_cache {};
-
 }  // namespace glake::detail

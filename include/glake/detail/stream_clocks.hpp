@@ -110,13 +110,7 @@ class stream_clocks {
 
   /// A call on `stream`: it gets a clock (so that its frees can be marked) if it has none.
   void enter(stream_ref stream) {
-    if (!clocks_.empty() && stream == current_) return;
-    if (find(stream) == nullptr) {
-      clock c;
-      c.stream = stream;
-      clocks_.push_back(std::move(c));
-    }
-    current_ = stream;
+    if (clocks_.empty() || stream != current_) enter_other(stream);  // the common case stays inline
   }
 
   clock* find(stream_ref stream) noexcept {
@@ -226,6 +220,15 @@ class stream_clocks {
   }
 
  private:
+  void enter_other(stream_ref stream) {
+    if (find(stream) == nullptr) {
+      clock c;
+      c.stream = stream;
+      clocks_.push_back(std::move(c));
+    }
+    current_ = stream;
+  }
+
   void retire_oldest(clock& c) noexcept {
     c.done = c.in_flight.front().first;
     events_.recycle(c.in_flight.front().second);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "glake/config.hpp"
+#include "glake/detail/accounting.hpp"
 #include "glake/errors.hpp"
 
 namespace glake {
@@ -70,7 +71,7 @@ class power_of_two_growth {
     if (stitch_reserve_ <= 1.0) return size;
     const double want = static_cast<double>(size) * stitch_reserve_;
     if (!(want < static_cast<double>(std::numeric_limits<std::size_t>::max() / 2))) return size;
-    const std::size_t rounded = (static_cast<std::size_t>(want) + chunk_ - 1) / chunk_ * chunk_;
+    const std::size_t rounded = detail::round_up(static_cast<std::size_t>(want), chunk_);
     return rounded > size ? rounded : size;
   }
 
