@@ -75,6 +75,13 @@ std::size_t free_bytes_on(arena_type& arena, stream_ref stream) {
 }
 
 using plain_clocks = detail::stream_clocks<detail::no_events>;
+
+// Event-free clocks on which each of `streams` has called, in order.
+plain_clocks clocks_entered(std::initializer_list<stream_ref> streams) {
+  plain_clocks clocks(detail::no_events{}, 0);
+  for (stream_ref s : streams) clocks.enter(s);
+  return clocks;
+}
 using plain_adoption = detail::stream_adoption<arena_type, plain_clocks>;
 
 }  // namespace
@@ -122,10 +129,7 @@ TEST_CASE("stream adoption: gathering takes the largest usable blocks until thei
   arena_type arena;
   segment_of_blocks on_b(arena, 0x100000000, {8 * M, 16 * M, 24 * M}, B);
   segment_of_blocks on_c(arena, 0x200000000, {14 * M, 4 * M}, C);
-  plain_clocks clocks(detail::no_events{}, 0);
-  clocks.enter(A);
-  clocks.enter(B);
-  clocks.enter(C);
+  plain_clocks clocks = clocks_entered({A, B, C});
   plain_adoption adoption(16, 8);
   moves m;
 
@@ -156,9 +160,7 @@ TEST_CASE("stream adoption: a whole free segment moving is reported as such, and
   s.mapping.base = 0x100000000;
   s.mapping.size = 16 * M;
   block_type* whole = arena.add_segment(&s, s.mapping.base, 16 * M, B);
-  plain_clocks clocks(detail::no_events{}, 0);
-  clocks.enter(A);
-  clocks.enter(B);
+  plain_clocks clocks = clocks_entered({A, B});
   plain_adoption adoption(16, 8);
   moves m;
   CHECK(adoption.adopt(arena, clocks, 16 * M, A, false, all_whole, m.callback()));
@@ -197,10 +199,7 @@ TEST_CASE("stream adoption: gathering looks at no more than max_candidates block
   arena_type arena;
   segment_of_blocks on_b(arena, 0x100000000, {8 * M, 8 * M}, B);
   segment_of_blocks on_c(arena, 0x200000000, {4 * M, 4 * M}, C);
-  plain_clocks clocks(detail::no_events{}, 0);
-  clocks.enter(A);
-  clocks.enter(B);
-  clocks.enter(C);
+  plain_clocks clocks = clocks_entered({A, B, C});
   plain_adoption adoption(2, 8);
   moves m;
   CHECK(adoption.adopt(arena, clocks, 1 * GiB, A, true, all_whole, m.callback()));
