@@ -65,7 +65,9 @@ CONTROL_ALLOCATORS = ("sizecache",)
 SIZE_CACHE_LIBRARY = os.path.join(ROOT, "build", "torch", "libsize_cache.so")
 # --allocator-timing: bench/torch/allocator_timing.cpp, built by build_plugin.sh --allocator-timing.
 ALLOCATOR_TIMING_LIBRARY = os.path.join(ROOT, "build", "torch", "libglake_allocator_timing.so")
-STRATEGIES = ("N", "R", "LR", "LO")
+TRAINING_STRATEGIES = ("N", "R", "LR", "LO")
+INFERENCE_STRATEGIES = ("GD", "GS", "GL", "GV")  # bench/torch/inference.py
+STRATEGIES = TRAINING_STRATEGIES + INFERENCE_STRATEGIES
 # Shapes of the public checkpoints, random weights; `kind` picks the config class (CONFIG_CLASSES).
 MODELS = {
     "opt1.3b": dict(
@@ -80,9 +82,30 @@ MODELS = {
         kind="gpt_neox", hidden_size=2560, num_hidden_layers=32, num_attention_heads=32, intermediate_size=10240,
         vocab_size=50304, max_position_embeddings=2048, rotary_pct=0.25, use_parallel_residual=True,
     ),
+    # Inference shapes: a ~150k vocabulary (Qwen2) and a 128k-vocabulary 1B Llama (Llama 3.2 1B).
+    "qwen2-0.5b": dict(
+        kind="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True,
+    ),
+    "llama3.2-1b": dict(
+        kind="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=8192, vocab_size=128256, max_position_embeddings=8192, tie_word_embeddings=True,
+        rope_theta=500000.0, head_dim=64,
+    ),
 }
-CONFIG_CLASSES = {"opt": "OPTConfig", "llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig"}
+TRAINING_MODELS = ("opt1.3b", "llama1b", "pythia2.8b")
+INFERENCE_MODELS = ("llama3.2-1b", "qwen2-0.5b")
+CONFIG_CLASSES = {"opt": "OPTConfig", "llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen2": "Qwen2Config"}
 ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def inference_module():
+    """bench/torch/inference.py, imported once."""
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import importlib
+
+    return importlib.import_module("inference")
 
 
 def sequence_lengths(steps, seed=SEED):
@@ -305,7 +328,8 @@ def run_training(args, result, device):
 
     spec = dict(MODELS[args.model])
     config = getattr(transformers, CONFIG_CLASSES[spec.pop("kind")])(**spec)
-    config.use_cache = False
+    inferring = args.strategy in INFERENCE_STRATEGIES
+    config.use_cache = inferring
     torch.manual_seed(SEED)
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # parameters made in bf16 on the GPU, as in the baseline
@@ -320,23 +344,37 @@ def run_training(args, result, device):
     if any(p.dtype != torch.bfloat16 for p in model.parameters()):
         model.to(torch.bfloat16)
     result["params"] = sum(p.numel() for p in model.parameters())
-    if args.strategy != "N":
+    if inferring:
+        if args.fsdp or args.fake_world:
+            raise RuntimeError(f"{args.strategy}: inference workloads run on one GPU, without --fsdp/--fake-world")
+        inference = inference_module()
+        inference.prepare(model)
+    elif args.strategy != "N":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if args.strategy in ("LR", "LO"):
+    if args.strategy in ("LR", "LO") and not inferring:
         import peft
 
         model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, task_type="CAUSAL_LM"))
         result["peft_version"] = peft.__version__
-    model.train()
+    if not inferring:
+        model.train()
     if args.fsdp or args.fake_world:
         model, result["fsdp_api"] = shard(model, device)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    result["trainable_params"] = sum(p.numel() for p in trainable)
-    optimizer = torch.optim.AdamW(trainable, lr=1e-5)
+    if not inferring:
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        result["trainable_params"] = sum(p.numel() for p in trainable)
+        optimizer = torch.optim.AdamW(trainable, lr=1e-5)
     sample()
 
-    lengths = sequence_lengths(args.steps)
-    result["seq_lengths"] = lengths
+    if inferring:
+        # One generate call per step; `lengths` holds the calls (prompt lengths, new tokens).
+        lengths = inference.calls(args.strategy, args.steps, SEED)
+        result["calls"] = [dict(batch=len(c["prompts"]), longest_prompt=max(c["prompts"]), new_tokens=c["new_tokens"])
+                           for c in lengths]
+        result["batch"] = None
+    else:
+        lengths = sequence_lengths(args.steps)
+        result["seq_lengths"] = lengths
     generator = torch.Generator(device=f"cuda:{device}")
     generator.manual_seed(SEED + result["rank"])
     saved_on_host = torch.autograd.graph.save_on_cpu if args.strategy == "LO" else None
@@ -380,8 +418,21 @@ def run_training(args, result, device):
         gc.collect()
         gc.freeze()  # what exists now (model, modules) is never scanned again
 
+    def generate_step(call):
+        """One generate call; returns None (no loss), the seconds until it returned and the same
+        (generate reads tokens back every step, so nothing stays queued)."""
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        inference.generate(torch, model, config.vocab_size, call, device, generator)
+        sample()
+        torch.cuda.synchronize(device)
+        took = time.perf_counter() - t0
+        return None, took, took
+
     def train_step(length):
         """One step; returns the loss and the seconds until its last kernel was queued."""
+        if inferring:
+            return generate_step(length)
         torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         ids = torch.randint(0, config.vocab_size, (BATCH, length), device=f"cuda:{device}", generator=generator)
@@ -437,13 +488,15 @@ def run_training(args, result, device):
                     step_host_ms.append(round((host["ns"] - last_host["ns"]) / 1e6, 3))
                     last_host = host
             sample()
-            losses.append(float(loss.detach()))
+            if loss is not None:
+                losses.append(float(loss.detach()))
             del loss
             if probe is not None:
                 for kind, value in probe().items():
                     probes.setdefault(kind, []).append(value if kind == "cpu" else round(value, 6))
             if args.progress:
-                print(f"[rank {result['rank']}] step {step}/{len(lengths)} len {length} {times[-1]:.3f} s", file=sys.stderr, flush=True)
+                what = f"batch {len(length['prompts'])} new {length['new_tokens']}" if inferring else f"len {length}"
+                print(f"[rank {result['rank']}] step {step}/{len(lengths)} {what} {times[-1]:.3f} s", file=sys.stderr, flush=True)
         if args.profile_steps:
             result["profiled"] = profile_steps(args, result, lambda length: train_step(length)[1:],
                                          [lengths[k - 1] for k in args.profile_steps if k <= len(lengths)])
@@ -886,8 +939,11 @@ def parse(argv):
         epilog="Runs: every model x strategy x allocator, allocators innermost, each in its own process.",
     )
     csv = lambda choices: lambda text: check_list(text, choices)  # noqa: E731
-    parser.add_argument("--models", type=csv(MODELS), default=list(MODELS), help=f"comma-separated: {','.join(MODELS)} (default: all)")
-    parser.add_argument("--strategies", type=csv(STRATEGIES), default=list(STRATEGIES), help="comma-separated: N,R,LR,LO (default: all)")
+    parser.add_argument("--models", type=csv(MODELS), default=list(TRAINING_MODELS),
+                        help=f"comma-separated: {','.join(MODELS)} (default: {','.join(TRAINING_MODELS)})")
+    parser.add_argument("--strategies", type=csv(STRATEGIES), default=list(TRAINING_STRATEGIES),
+                        help=f"comma-separated: {','.join(STRATEGIES)} (default: {','.join(TRAINING_STRATEGIES)}; "
+                        "G*: inference, bench/torch/inference.py)")
     parser.add_argument("--allocators", type=csv(ALLOCATORS + CONTROL_ALLOCATORS), default=list(ALLOCATORS),
                         help="comma-separated: default,expandable,glake (default: all), or the control sizecache")
     parser.add_argument("--steps", type=int, default=14, help="training steps (default 14; step time is the median of 3..N)")

@@ -237,12 +237,12 @@ SIM = os.environ.get("GLAKE_TORCH_SIM_LIBRARY")
 class Child(unittest.TestCase):
     """The child's code path over fake torch, transformers and peft (tests/fake_modules)."""
 
-    def run_child(self, allocator, strategy="LR", steps=4, extra=(), **env):
+    def run_child(self, allocator, strategy="LR", steps=4, extra=(), model="opt1.3b", **env):
         with tempfile.TemporaryDirectory() as directory:
             out = os.path.join(directory, "rank{rank}.json")
             environment = {k: v for k, v in os.environ.items() if k not in finetune.ALLOC_CONF_VARIABLES}
             environment.update(PYTHONPATH=FAKES, **env)
-            run = subprocess.run([sys.executable, SCRIPT, "--child", "--model", "opt1.3b", "--strategy", strategy,
+            run = subprocess.run([sys.executable, SCRIPT, "--child", "--model", model, "--strategy", strategy,
                                   "--allocator", allocator, "--steps", str(steps), "--result-file", out, *extra],
                                  capture_output=True, text=True, env=environment)
             with open(out.replace("{rank}", "0")) as f:
@@ -262,6 +262,21 @@ class Child(unittest.TestCase):
         self.assertEqual(r["device_used_peak_over_base_bytes"], 0)
         self.assertEqual(r["trainable_params"], 16 * 2 * 2048)  # LoRA's only
         self.assertEqual(r["params"], 2048 * 50272)
+
+    def test_inference_runs_one_generate_call_per_step_without_an_optimizer(self):
+        code, r = self.run_child("default", strategy="GV", steps=5, model="qwen2-0.5b")
+        self.assertEqual((code, r["status"]), (0, "ok"), r.get("error"))
+        self.assertEqual(len(r["step_times_s"]), 5)
+        expected = finetune.inference_module().calls("GV", 5, finetune.SEED)
+        self.assertEqual([c["batch"] for c in r["calls"]], [len(c["prompts"]) for c in expected])
+        self.assertEqual([c["new_tokens"] for c in r["calls"]], [c["new_tokens"] for c in expected])
+        self.assertNotIn("trainable_params", r)
+        self.assertNotIn("loss_first", r)
+        self.assertEqual(r["params"], 896 * 151936)
+
+    def test_inference_out_of_memory_is_a_result(self):
+        code, r = self.run_child("default", strategy="GD", model="llama3.2-1b", FAKE_TORCH_OOM_AT="3")
+        self.assertEqual((code, r["status"], r["oom_step"]), (0, "oom", 3))
 
     def test_out_of_memory_is_a_result_not_a_crash(self):
         code, r = self.run_child("default", strategy="LO", FAKE_TORCH_OOM_AT="2")
@@ -544,6 +559,23 @@ class Report(unittest.TestCase):
         cell = dict(zip(header, rows["llama1b R"].strip("| ").split(" | ")))
         self.assertEqual(cell["glake: reserved GB"], "11.00")  # the OOM run's 70 GB is not shown
         self.assertTrue(cell["step ≤ 1.02× default"].startswith("met (0.802, 95% "), cell["step ≤ 1.02× default"])
+
+    def test_inference_calls_are_the_same_for_every_allocator_and_differ_by_workload(self):
+        inference = finetune.inference_module()
+        gd, gs = inference.calls("GD", 50, 1234), inference.calls("GS", 50, 1234)
+        self.assertEqual([c["prompts"] for c in gd], [c["prompts"] for c in gs])  # only the cache differs
+        self.assertEqual((gd[0]["static"], gs[0]["static"]), (False, True))
+        self.assertEqual(gd, inference.calls("GD", 50, 1234))
+        self.assertNotEqual(gd, inference.calls("GD", 50, 1235))
+        self.assertEqual({len(c["prompts"]) for c in gd}, set(inference.BATCHES))
+        self.assertTrue(all(32 <= n <= 768 for c in gd for n in c["prompts"]))
+        self.assertTrue(all(c["new_tokens"] == 512 and len(c["prompts"]) <= 8 for c in inference.calls("GL", 20, 1)))
+        serving = inference.calls("GV", 200, 1234)
+        self.assertTrue(all(1 <= len(c["prompts"]) <= 24 and 16 <= c["new_tokens"] <= 192 for c in serving))
+        self.assertTrue(all(16 <= n <= 1536 for c in serving for n in c["prompts"]))
+        self.assertGreater(len({len(c["prompts"]) for c in serving}), 8)  # batches vary with arrivals
+        with self.assertRaisesRegex(ValueError, "not an inference workload"):
+            inference.calls("LR", 1, 1)
 
     def test_sequence_lengths_and_median(self):
         lengths = finetune.sequence_lengths(14)

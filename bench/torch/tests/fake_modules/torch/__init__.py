@@ -67,9 +67,30 @@ class Tensor:
     def __float__(self):
         return float(self.value)
 
+    def __setitem__(self, index, value):
+        pass
 
-def ones(n, dtype=float32):
+
+class _Matrix(Tensor):
+    """A 2-D tensor for the inference path: its shape and row slices (writes ignored)."""
+
+    def __init__(self, rows, columns, dtype=float32):
+        super().__init__(0.0, dtype, rows * columns, False)
+        self.shape = (rows, columns)
+
+
+long = "int64"
+
+
+def ones(n, dtype=float32, device=None):
+    if isinstance(n, tuple):
+        return _Matrix(*n, dtype=dtype)
     return Tensor(1.0, dtype, n, False)
+
+
+@contextlib.contextmanager
+def inference_mode():
+    yield
 
 
 def empty_like(t):
@@ -77,7 +98,7 @@ def empty_like(t):
 
 
 def randint(low, high, size, device=None, generator=None):
-    return Tensor(numel=size[0] * size[1])
+    return _Matrix(size[0], size[1], dtype="int64")
 
 
 class OutOfMemoryError(RuntimeError):

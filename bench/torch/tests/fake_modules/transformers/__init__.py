@@ -23,11 +23,18 @@ class GPTNeoXConfig(_Config):
     pass
 
 
+class Qwen2Config(_Config):
+    pass
+
+
 class _Model:
     def __init__(self, config):
         self.config = config
         self._params = [torch.Tensor(numel=config.hidden_size * config.vocab_size, dtype=torch.get_default_dtype())]
         self.checkpointing = False
+        self.training = True
+        self.generation_config = _Config(eos_token_id=2, pad_token_id=None, temperature=0.7)
+        self.generated = []  # (batch, prompt width, new tokens, options) of each generate call
 
     def parameters(self):
         return iter(self._params)
@@ -39,7 +46,18 @@ class _Model:
         self.checkpointing = True
 
     def train(self):
+        self.training = True
         return self
+
+    def eval(self):
+        self.training = False
+        return self
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, **options):
+        torch._forward_step()
+        rows, width = input_ids.shape
+        self.generated.append((rows, width, max_new_tokens, options))
+        return torch._Matrix(rows, width + max_new_tokens, dtype="int64")
 
     def to(self, dtype):
         for p in self._params:
