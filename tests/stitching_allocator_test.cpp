@@ -763,3 +763,54 @@ TEST_CASE("stitching: reset_peaks restarts the peaks from now and returns the st
   a.deallocate(small, 8 * M);
   a.verify();
 }
+
+TEST_CASE("stitching: large requests are split at large_round_to, so a block's rounding tail serves the next one") {
+  const auto run = [](std::size_t large_round_to) {
+    sim_device device(64 * M);
+    config cfg = stitch_everything();
+    cfg.small_limit = 256 * KiB;
+    cfg.large_round_to = large_round_to;
+    sim_stitching allocator(sim_provider{device}, sim_reserver{device}, cfg);
+    void* a = allocator.allocate(5 * M + 1000);  // a 6 MiB segment
+    void* b = allocator.allocate(512 * KiB);     // a large request, in a's tail or not
+    allocator.verify();
+    const statistics s = allocator.stats();
+    const bool tail = static_cast<char*>(b) == static_cast<char*>(a) + 5 * M + 1024;
+    allocator.deallocate(b, 512 * KiB);
+    allocator.deallocate(a, 5 * M + 1000);
+    allocator.verify();
+    return std::pair{s.reserved_bytes, tail};
+  };
+  CHECK(run(512) == std::pair{6 * M, true});     // the default: 1,024 bytes of rounding, the rest serves b
+  CHECK(run(0) == std::pair{8 * M, false});      // whole chunks: a holds all 6 MiB, b takes a new one
+  CHECK(run(64 * KiB).first == 6 * M);
+}
+
+TEST_CASE("stitching: blocks split below the chunk give stitches only their whole handles") {
+  sim_device device(12 * M);
+  config cfg = stitch_everything();
+  cfg.small_limit = 0;
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, cfg);
+  // Two 4 MiB segments of 2 MiB handles, each carved into 3 MiB and 1 MiB blocks.
+  void* a = allocator.allocate(3 * M);
+  void* b = allocator.allocate(1 * M);
+  void* c = allocator.allocate(3 * M);
+  void* d = allocator.allocate(1 * M);
+  CHECK(static_cast<char*>(b) == static_cast<char*>(a) + 3 * M);
+  CHECK(allocator.stats().reserved_bytes == 8 * M);
+  allocator.deallocate(a, 3 * M);
+  allocator.deallocate(c, 3 * M);
+  // 6 MiB free, of which 4 MiB are whole handles (the last MiB of each block shares its handle
+  // with b or d): a 4 MiB request is stitched from them without new memory.
+  void* p = allocator.allocate(4 * M);
+  allocator.verify();
+  CHECK(allocator.stats().stitches == 1);
+  CHECK(allocator.stats().reserved_bytes == 8 * M);
+  CHECK(std::set{handle_at(device, p), handle_at(device, p, 2 * M)} == std::set{handle_at(device, a), handle_at(device, c)});
+  // The two 1 MiB halves left over are no whole handle: a 2 MiB request takes new memory.
+  void* q = allocator.allocate(2 * M);
+  CHECK(allocator.stats().reserved_bytes == 10 * M);
+  for (auto [ptr, size] : {std::pair{p, 4 * M}, {q, 2 * M}, {b, 1 * M}, {d, 1 * M}}) allocator.deallocate(ptr, size);
+  allocator.verify();
+  CHECK(allocator.stats().active_bytes == 0);
+}

@@ -45,6 +45,12 @@ struct config {
   std::size_t small_limit = 1 * MiB;     ///< requests up to this go to the small pool; 0: none
   std::size_t small_segment = 2 * MiB;   ///< the unit the small pool takes from the large pool
   std::size_t round_to = 512;            ///< every request is rounded up to a multiple of this
+  std::size_t large_round_to = 512;      ///< requests above small_limit are rounded up to a multiple
+                                         ///< of this and blocks split there (as PyTorch's large
+                                         ///< pool), at least round_to, at most chunk_size;
+                                         ///< stitches still map whole handles. 0 means
+                                         ///< chunk_size (GMLake's rounding: up to a chunk lost
+                                         ///< per block)
   std::size_t chunk_size = 0;            ///< unit of blocks and of the smallest physical handle;
                                          ///< 0 means the provider's granularity
   std::size_t max_handle = 0;            ///< new memory comes in handles of chunk_size x 2^k up
@@ -120,6 +126,7 @@ void for_each_config_field(Config& c, Visitor&& visit) {
   visit(std::string_view{"small_limit"}, c.small_limit);
   visit(std::string_view{"small_segment"}, c.small_segment);
   visit(std::string_view{"round_to"}, c.round_to);
+  visit(std::string_view{"large_round_to"}, c.large_round_to);
   visit(std::string_view{"chunk_size"}, c.chunk_size);
   visit(std::string_view{"max_handle"}, c.max_handle);
   visit(std::string_view{"min_handles"}, c.min_handles);
@@ -388,6 +395,9 @@ inline std::optional<config_issue> find_config_issue(const config& c) {
   if (!std::has_single_bit(c.round_to) || c.round_to > 2 * MiB) {
     return issue("round_to", "must be a power of two from 1 to 2097152 (2 MiB) (got " +
                                  bytes(c.round_to) + ")");
+  }
+  if (c.large_round_to != 0 && !std::has_single_bit(c.large_round_to)) {
+    return issue("large_round_to", "must be 0 (the chunk size) or a power of two (got " + bytes(c.large_round_to) + ")");
   }
   if (c.small_segment == 0) return issue("small_segment", "must be > 0 (got 0)");
   if (c.small_segment % c.round_to != 0) {

@@ -123,6 +123,7 @@ inline caching_rules expandable_rules(std::size_t page) {
 inline config gmlake_config() {
   config cfg;
   cfg.small_limit = 0;  // GMLake keeps PyTorch's small pool beside its stitching pool
+  cfg.large_round_to = 0;  // blocks of whole 2 MiB chunks
   cfg.frag_limit = 512 * MiB;
   cfg.reuse_limit = 10.0;
   cfg.defrag_level = 0;

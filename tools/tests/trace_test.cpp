@@ -157,9 +157,10 @@ TEST_CASE("replay: where free memory sits at peak is reported for stitching pool
     FAIL("no glake configuration");
     return replay_result{};
   };
-  const replay_result small = glake_with("max_handle:0");
+  // 2 MiB handles and blocks of whole chunks: every free chunk is a whole handle.
+  const replay_result small = glake_with("max_handle:0,large_round_to:0");
   REQUIRE(small.free_at_peak.has_value());
-  CHECK(small.free_at_peak->partial_handles == 0);  // 2 MiB handles: every free chunk is a whole handle
+  CHECK(small.free_at_peak->partial_handles == 0);
   // Larger handles strand memory in place, the more the larger they are: glake's 8 MiB default
   // a little, 1 GiB handles more.
   const replay_result standard = replay_trace(t, named("glake"), std::size_t{1} << 40, false);

@@ -36,8 +36,10 @@
 namespace glake {
 
 /// Physical memory comes in handles (Growth decides their sizes) mapped back to back into a
-/// segment's own range; blocks are runs of whole chunks (`config::chunk_size`) of a segment. A
-/// request above `small_limit` is rounded to chunks and served by the first step of this ladder
+/// segment's own range; blocks are pieces of a segment, split at `config::large_round_to` (512 B
+/// by default, as PyTorch's large pool), so a block's rounding tail serves the next request
+/// instead of holding up to a chunk. A stitch maps only whole handles of free blocks; new memory
+/// comes in whole chunks. A request above `small_limit` is served by the first step of this ladder
 /// that succeeds (`allocate_large`; docs/stitching.md explains each step):
 ///   the best-fitting free block of its stream; a cached stitched range whose needed chunks are
 ///   free; another stream's completed free block; a cached range repaired or grown in place;
@@ -90,7 +92,8 @@ class stitching_allocator {
 
   // What every step of the ladder is asked.
   struct request {
-    std::size_t size;   ///< rounded to chunks
+    std::size_t size;   ///< rounded to large_round_to: what a free block hands out
+    std::size_t span;   ///< rounded to chunks: what a stitch maps, or a new segment holds
     std::size_t bytes;  ///< as asked
     stream_ref stream;
     bool may_stitch;
@@ -117,6 +120,9 @@ class stitching_allocator {
       : config_(validated(cfg)),
         admission_(config_),
         pool_(std::move(provider), std::move(reserver), config_, counters_),
+        large_round_(config_.large_round_to == 0
+                         ? pool_.chunk()
+                         : std::min(std::max(config_.large_round_to, config_.round_to), pool_.chunk())),
         clocks_(make_events(), config_.event_interval_us),
         stitcher_(make_stitcher()),
         adoption_(max_candidates, max_reuse_probes),
@@ -127,8 +133,8 @@ class stitching_allocator {
   stitching_allocator& operator=(const stitching_allocator&) = delete;
   ~stitching_allocator() { release_everything(); }
 
-  /// At least `bytes` bytes on `stream`: aligned to `round_to` for small requests and to the
-  /// chunk size for large ones. Zero bytes gives null.
+  /// At least `bytes` bytes on `stream`: aligned to `round_to` for small requests and to
+  /// `large_round_to` (at least `round_to`) for large ones. Zero bytes gives null.
   void* allocate(std::size_t bytes, stream_ref stream = default_stream) {
     std::lock_guard guard(lock_);
     if (bytes == 0) return nullptr;
@@ -293,11 +299,12 @@ class stitching_allocator {
       return p;
     }
     if (detail::round_up_overflows(bytes, pool_.chunk())) return nullptr;
-    const std::size_t size = detail::round_up(bytes, pool_.chunk());
+    const std::size_t size = detail::round_up(bytes, large_round_);
     pool_.arena().reserve_nodes(2);
     // The ladder's first step, the common case, written out here so that it stays inline.
     if (block_type* b = pool_.arena().best_fit(stream, size)) return hand_out(b, size, bytes);
-    return allocate_large(request{size, bytes, stream, stitches && admission_.may_stitch(size)});
+    const std::size_t span = detail::round_up(bytes, pool_.chunk());
+    return allocate_large(request{size, span, bytes, stream, stitches && admission_.may_stitch(span)});
   }
 
   // Once no free block of the stream fits (allocate_locked's first step): the first step that
@@ -329,7 +336,7 @@ class stitching_allocator {
   }
   void* reuse_cached_stitch([[maybe_unused]] const request& r) {
     if constexpr (stitches) {
-      if (admission_.may_reuse()) return stitcher_.reuse(r.size, r.bytes, r.stream);
+      if (admission_.may_reuse()) return stitcher_.reuse(r.span, r.bytes, r.stream);
     }
     return nullptr;
   }
@@ -345,7 +352,7 @@ class stitching_allocator {
   }
   // Other streams' completed free blocks, gathered until they cover the request.
   void* gather_other_streams(const request& r) {
-    if (!r.may_stitch || !adopt(r.size, r.stream, true)) return nullptr;
+    if (!r.may_stitch || !adopt(r.span, r.stream, true)) return nullptr;
     if (void* p = from_free_block(r)) return p;
     return stitch(r, false);
   }
@@ -353,8 +360,9 @@ class stitching_allocator {
   // the request, waiting for those streams once costs less than growing by it.
   void* wait_for_other_streams(const request& r) {
     const auto whole = [this](block_type& b) { return pool_.whole_handles_of(b).size; };
-    if (!adoption_.wait_for_other_streams(pool_.arena(), clocks_, r.size, r.stream, r.may_stitch, whole) ||
-        !adopt(r.size, r.stream, r.may_stitch)) {
+    const std::size_t size = r.may_stitch ? r.span : r.size;
+    if (!adoption_.wait_for_other_streams(pool_.arena(), clocks_, size, r.stream, r.may_stitch, whole) ||
+        !adopt(size, r.stream, r.may_stitch)) {
       return nullptr;
     }
     if (void* p = from_free_block(r)) return p;
@@ -366,7 +374,7 @@ class stitching_allocator {
     return stitch(r, true);
   }
   void* new_segment(const request& r) {
-    block_type* b = pool_.add_segment(r.size, r.stream);
+    block_type* b = pool_.add_segment(r.span, r.stream);
     return b == nullptr ? nullptr : hand_out(b, r.size, r.bytes);
   }
   void* finish_deferred_frees([[maybe_unused]] const request& r) {
@@ -380,7 +388,7 @@ class stitching_allocator {
   }
   void* release_for_request(const request& r) {
     evict_stitches(~std::size_t{0}, true);
-    release_free_segments(r.size);
+    release_free_segments(r.span);
     return nullptr;
   }
   void* release_all_free(const request&) {
@@ -391,13 +399,13 @@ class stitching_allocator {
   // The stitcher's steps, for requests that may stitch.
   void* repair([[maybe_unused]] const request& r, [[maybe_unused]] bool may_grow) {
     if constexpr (stitches) {
-      if (r.may_stitch) return stitcher_.repair(r.size, r.bytes, r.stream, may_grow);
+      if (r.may_stitch) return stitcher_.repair(r.span, r.bytes, r.stream, may_grow);
     }
     return nullptr;
   }
   void* stitch([[maybe_unused]] const request& r, [[maybe_unused]] bool may_grow) {
     if constexpr (stitches) {
-      if (r.may_stitch) return stitcher_.stitch(r.size, r.bytes, r.stream, may_grow);
+      if (r.may_stitch) return stitcher_.stitch(r.span, r.bytes, r.stream, may_grow);
     }
     return nullptr;
   }
@@ -588,6 +596,7 @@ class stitching_allocator {
   [[no_unique_address]] Admission admission_;
   detail::usage_counters counters_;
   pool_type pool_;
+  std::size_t large_round_;  ///< large_round_to, or the chunk size
   clocks_type clocks_;
   stitcher_type stitcher_;
   [[no_unique_address]] deferred_type deferred_;

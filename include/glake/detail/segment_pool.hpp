@@ -1,5 +1,5 @@
 // The segment pool under the stitching allocator: physical memory made of handles mapped into
-// segments, carved into blocks of whole chunks, and the queue of fully free segments.
+// segments, carved into blocks, and the queue of fully free segments.
 #pragma once
 
 #include <algorithm>

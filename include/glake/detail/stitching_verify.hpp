@@ -19,13 +19,15 @@ void stitching_allocator<Provider, Reserver, Stitch, Evict, Lock, Admission, Gro
     throw std::logic_error("glake::stitching_allocator invariant broken: " + what);
   };
   small_.verify_unlocked();
-  const std::size_t chunk = pool_.chunk();
+  const std::size_t unit = large_round_;
   std::size_t active = small_.stats_unlocked().active_bytes, free_bytes = 0, reserved = 0, free_segments = 0,
               small_blocks = 0, claimed_blocks = 0;
   const auto extent = [](const segment& s) { return std::pair{s.mapping.base, s.mapping.size}; };
   pool_.arena().check_tiling(extent, fail, [&](const block_type& b) {
     const auto& m = b.segment->mapping;
-    if (b.size == 0 || b.size % chunk != 0 || (b.address - m.base) % chunk != 0) fail("block not made of whole chunks");
+    if (b.size == 0 || b.size % unit != 0 || (b.address - m.base) % unit != 0) {
+      fail("block not a whole multiple of large_round_to");
+    }
     if (b.address == m.base) reserved += m.size;
     if (b.free) {
       free_bytes += b.size;
