@@ -6,6 +6,9 @@
 
 #include <cstdio>
 #include <fstream>
+#include <memory>
+#include <new>
+#include <optional>
 #include <string>
 
 #include "configurations.hpp"
@@ -197,6 +200,48 @@ TEST_CASE("trace: a directory or a truncated gzip header is an error, not an emp
   CHECK(error_of("/tmp").find("/tmp:1: cannot read: Is a directory") != std::string::npos);
   CHECK(error_of(temp_file("header_only.gz", std::string("\x1f\x8b\x08\x00", 4))).find("truncated or corrupt") !=
         std::string::npos);
+}
+
+namespace {
+
+/// A configuration's allocator that throws std::bad_alloc on its `fail_at`-th request, as one
+/// that runs the host out of memory would.
+class throwing_replayable final : public replayable {
+ public:
+  throwing_replayable(std::unique_ptr<replayable> inner, int fail_at) : inner_(std::move(inner)), fail_at_(fail_at) {}
+  void* try_allocate(std::size_t bytes, glake::stream_ref stream) override {
+    if (++calls_ == fail_at_) throw std::bad_alloc();
+    return inner_->try_allocate(bytes, stream);
+  }
+  void deallocate(void* p, std::size_t bytes, glake::stream_ref stream) override { inner_->deallocate(p, bytes, stream); }
+  std::optional<free_breakdown> free_memory() const override { return inner_->free_memory(); }
+  std::size_t reserved_bytes() const override { return inner_->reserved_bytes(); }
+  glake::statistics stats() const override { return inner_->stats(); }
+  void verify() const override { inner_->verify(); }
+  const glake::sim_device& device() const override { return inner_->device(); }
+
+ private:
+  std::unique_ptr<replayable> inner_;
+  int fail_at_;
+  int calls_ = 0;
+};
+
+}  // namespace
+
+TEST_CASE("replay: an exception while replaying names the file, the line, the configuration and the event") {
+  configuration c = named("glake");
+  const auto make = c.make;
+  c.make = [make](std::size_t capacity) -> std::unique_ptr<replayable> {
+    return std::make_unique<throwing_replayable>(make(capacity), 2);
+  };
+  const trace t = read_trace(temp_file("throws", "a,1,512,0\n# note\na,2,1024,3\nf,1\n"));
+  std::string message;
+  try {
+    (void)replay_trace(t, c, std::size_t{1} << 40, false);
+  } catch (const replay_error& e) {
+    message = e.what();
+  }
+  CHECK(message == "/tmp/glake_trace_test_throws:3: glake, event 2 (a,2,1024,3): out of host memory (std::bad_alloc)");
 }
 
 TEST_CASE("replay: pytorch-default reproduces PyTorch's own peak reserved within 5% on every trace") {
