@@ -33,22 +33,29 @@ recorded events; a note on stderr says how much pre-existing state was left out,
 peaks in the summary depend on it.
 
 'snapshot' and 'oom' entries and unknown actions are skipped and counted; a legacy 'free'
-is read as 'free_completed'. The snapshot is read with a restricted unpickler that builds only
-plain containers and numbers; any other class becomes an inert stub, so a snapshot from any
-torch version loads and nothing in it is executed. gzip-compressed input is accepted too.
+is read as 'free_completed'. gzip-compressed input is accepted too.
 
-A one-line summary goes to stderr. Errors are one line naming the file; exit status 2.
+A snapshot is untrusted input. Its pickle opcodes are checked before any runs: persistent ids,
+extension codes, INST/OBJ, a BUILD on a class, tuples nested over 100 deep and memo indices out
+of sequence are refused. Every class it names becomes an inert stub made for this load, so a
+snapshot from any torch version loads, nothing in it is executed and nothing outlives the load.
+The (decompressed) pickle may hold at most --max-input-bytes (1 GiB). Entries must be dicts with
+a string action and an int, str or None stream; sizes lie in 0..2^48 and addresses in 0..2^64-1.
+convert_bytes() converts from memory, for fuzzing.
+
+A one-line summary goes to stderr. Errors, whatever the input, are one line naming the file,
+with control characters escaped; exit status 2.
 """
 
 import argparse
 import bisect
-import builtins
 import collections
 import gzip
 import io
 import os
 import pickle
 import sys
+import zlib
 from dataclasses import dataclass, field
 
 PROG = "snapshot_to_trace"
@@ -68,13 +75,44 @@ class SnapshotError(Exception):
 
 # ---------------------------------------------------------------------------------------------
 # Loading
+#
+# A snapshot is untrusted input. torch writes it with pickle.dump of plain dicts, lists, strings
+# and numbers, so loading needs no class at all; the pickle's opcodes are checked first (_scan)
+# and only then run by pickle's own unpickler, whose find_class hands out inert stubs.
+
+
+MAX_INPUT_BYTES = 1 << 30  # default bound on the (decompressed) pickle; --max-input-bytes
+MAX_SIZE = 1 << 48         # the largest size or segment a trace may carry (glake-replay's bound)
+MAX_ADDRESS = (1 << 64) - 1
+_MAX_TUPLE_DEPTH = 100     # hashing a deeper tuple recurses in C, unguarded, and can crash
+_MAX_CLASSES = 1000        # distinct classes stubbed in one load
+
+
+def _printable(text, limit=None):
+    """`text` safe for a terminal: non-printable characters escaped, cut at `limit` with '...'."""
+    text = str(text)
+    cut = limit is not None and len(text) > limit
+    if cut:
+        text = text[:limit]
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else
+                       (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+                       for c in text)
+    return text + "..." if cut else text
+
+
+def _type_name(value):
+    """'a list', 'an int', 'a stub for torch.Foo': what a value is, for messages."""
+    name = type(value).__name__ if not isinstance(value, Stub) else _printable(value.stub_of, 60)
+    return ("an " if name[:1] in tuple("aeiou") else "a ") + name
 
 
 class Stub:
-    """Inert stand-in for any class a snapshot names other than plain containers.
+    """Inert stand-in for any class a snapshot names.
 
-    It accepts whatever the pickle stream does to it (construction, state, items) and keeps
-    it for inspection, but runs no code of the class it replaces.
+    It accepts whatever the pickle stream does to an instance (construction, state, items) and
+    keeps it for inspection, but runs no code of the class it replaces. Each load makes its own
+    stub classes, so nothing a pickle does to one outlives the load.
     """
 
     stub_of = "?"
@@ -106,54 +144,262 @@ class Stub:
         return f"<stub for {self.stub_of}>"
 
 
-_SAFE_CLASSES = {
-    ("builtins", name): getattr(builtins, name)
-    for name in ("dict", "list", "tuple", "set", "frozenset", "str", "bytes", "bytearray",
-                 "int", "float", "complex", "bool")
-}
-_SAFE_CLASSES.update({("collections", name): getattr(collections, name)
-                      for name in ("OrderedDict", "defaultdict", "deque", "Counter")})
-
-
 class RestrictedUnpickler(pickle.Unpickler):
-    """Builds builtins containers and numbers only; every other global becomes a Stub class."""
+    """Every global a pickle names becomes a Stub subclass made for this load; nothing is looked up.
+
+    Run it only on data _scan accepted: _scan refuses persistent ids, extension codes and the
+    INST/OBJ opcodes, and a BUILD on a class.
+    """
 
     def __init__(self, file):
         super().__init__(file)
         self._stubs = {}
 
     def find_class(self, module, name):
-        key = ("builtins" if module == "__builtin__" else module, name)
-        if key in _SAFE_CLASSES:
-            return _SAFE_CLASSES[key]
+        key = (module, name)
         if key not in self._stubs:
-            self._stubs[key] = type(str(name), (Stub,), {"stub_of": f"{module}.{name}"})
+            if len(self._stubs) >= _MAX_CLASSES:
+                raise SnapshotError(f"not a memory snapshot: names more than {_MAX_CLASSES} classes")
+            self._stubs[key] = type("Stub", (Stub,), {
+                "stub_of": _printable(f"{module}.{name}", 100)})
         return self._stubs[key]
 
     def persistent_load(self, pid):
-        return self.find_class("persistent_id", "object")(pid)
+        raise SnapshotError("not a memory snapshot: the pickle holds a persistent id")
 
 
-def load_snapshot(path):
+def _opcode_tables():
+    """Per opcode byte: how its argument is laid out, and what it does to the stack."""
+    arg, effect = [None] * 256, [None] * 256
+
+    def op(code, argument, what):
+        arg[code[0]], effect[code[0]] = argument, what
+
+    P = pickle
+    for code in (P.NONE, P.NEWTRUE, P.NEWFALSE, P.EMPTY_LIST, P.EMPTY_DICT, P.EMPTY_SET):
+        op(code, 0, "push")
+    for code, size in ((P.BININT, 4), (P.BININT1, 1), (P.BININT2, 2), (P.BINFLOAT, 8)):
+        op(code, size, "push")
+    for code in (P.SHORT_BINUNICODE, P.SHORT_BINBYTES, P.SHORT_BINSTRING, P.LONG1):
+        op(code, -1, "push")
+    for code in (P.BINUNICODE, P.BINBYTES, P.BINSTRING, P.LONG4):
+        op(code, -4, "push")
+    for code in (P.BINUNICODE8, P.BINBYTES8, P.BYTEARRAY8):
+        op(code, -8, "push")
+    for code in (P.INT, P.LONG, P.FLOAT, P.STRING, P.UNICODE):
+        op(code, "line", "push")
+    op(P.MEMOIZE, 0, "memoize")
+    op(P.BINPUT, 1, "put")
+    op(P.LONG_BINPUT, 4, "put")
+    op(P.PUT, "line", "put")
+    op(P.BINGET, 1, "get")
+    op(P.LONG_BINGET, 4, "get")
+    op(P.GET, "line", "get")
+    op(P.MARK, 0, "mark")
+    for code in (P.APPENDS, P.SETITEMS, P.ADDITEMS):
+        op(code, 0, "fill")
+    op(P.APPEND, 0, "append")
+    op(P.SETITEM, 0, "setitem")
+    op(P.LIST, 0, "container")
+    op(P.DICT, 0, "container")
+    op(P.TUPLE, 0, "tuple")
+    op(P.FROZENSET, 0, "tuple")
+    op(P.EMPTY_TUPLE, 0, "tuple0")
+    op(P.TUPLE1, 0, 1)
+    op(P.TUPLE2, 0, 2)
+    op(P.TUPLE3, 0, 3)
+    op(P.GLOBAL, "lines", "global")
+    op(P.STACK_GLOBAL, 0, "stack_global")
+    op(P.REDUCE, 0, "call")
+    op(P.NEWOBJ, 0, "call")
+    op(P.NEWOBJ_EX, 0, "call_ex")
+    op(P.BUILD, 0, "build")
+    op(P.POP, 0, "pop")
+    op(P.POP_MARK, 0, "pop_mark")
+    op(P.DUP, 0, "dup")
+    op(P.PROTO, 1, "proto")
+    op(P.FRAME, 8, "frame")
+    op(P.STOP, 0, "stop")
+    return arg, effect
+
+
+_ARG, _EFFECT = _opcode_tables()
+_OPCODE_NAMES = {code[0]: name for name, code in vars(pickle).items()
+                 if name.isupper() and isinstance(code, bytes) and len(code) == 1}
+
+
+def _scan(data):
+    """Checks a pickle's opcodes before pickle runs them; raises SnapshotError if it holds one that
+    a snapshot never needs (persistent ids, extension codes, INST/OBJ, out-of-band buffers), sets
+    the state of a class rather than of an instance (BUILD on a global), calls anything but a
+    class, nests tuples deeper than _MAX_TUPLE_DEPTH, or names a memo slot beyond the next free one
+    (the unpickler's memo is an array as long as the largest index)."""
+    arg, effect = _ARG, _EFFECT
+    stack, marks, memo = [], [], {}  # per stack item: tuple nesting depth, or a global's name
+    n, pos = len(data), 0
+
+    def fail(message):
+        raise SnapshotError(f"not a pickle ({message} at byte {start})")
+
+    try:
+        while pos < n:
+            start = pos
+            code = data[pos]
+            a, e = arg[code], effect[code]
+            pos += 1
+            if a == 0:
+                pass
+            elif a == -1:
+                pos += 1 + data[pos]
+            elif a.__class__ is int:
+                if a > 0:
+                    argument = data[pos:pos + a]
+                    pos += a
+                else:
+                    pos += -a + int.from_bytes(data[pos:pos - a], "little")
+            elif a == "line" or a == "lines":
+                end = data.find(b"\n", pos)
+                if a == "lines" and end >= 0:
+                    end = data.find(b"\n", end + 1)
+                if end < 0:
+                    fail("unterminated text argument")
+                argument = data[pos:end]
+                pos = end + 1
+            else:
+                name = _OPCODE_NAMES.get(code)
+                if name is None:
+                    fail(f"unknown opcode 0x{code:02x}")
+                raise SnapshotError(f"not a memory snapshot: the pickle uses {name} (byte {start}), "
+                                    "which a snapshot never needs")
+            if pos > n:
+                fail("truncated argument")
+
+            if e == "push":
+                stack.append(0)
+            elif e == "memoize":
+                memo[len(memo)] = stack[-1]
+            elif e == "get":
+                stack.append(memo[int(argument) if a == "line" else
+                                  int.from_bytes(argument, "little")])
+            elif e == "mark":
+                marks.append(len(stack))
+            elif e == "fill":
+                m = marks.pop()
+                if m == 0:
+                    fail("nothing to fill")
+                del stack[m:]
+            elif e == "put":
+                index = int(argument) if a == "line" else int.from_bytes(argument, "little")
+                if index > len(memo):
+                    fail(f"memo index {index} out of sequence")
+                memo[index] = stack[-1]
+            elif e == "append":
+                stack.pop()
+                stack[-1]
+            elif e == "setitem":
+                del stack[-2:]
+                stack[-1]
+            elif e == "container":
+                del stack[marks.pop():]
+                stack.append(0)
+            elif e == "tuple" or e.__class__ is int:
+                m = marks.pop() if e == "tuple" else len(stack) - e
+                if m < 0:
+                    fail("stack underflow")
+                depth = 1 + max((d for d in stack[m:] if d.__class__ is int), default=0)
+                if depth > _MAX_TUPLE_DEPTH:
+                    fail(f"tuples nested more than {_MAX_TUPLE_DEPTH} deep")
+                del stack[m:]
+                stack.append(depth)
+            elif e == "tuple0":
+                stack.append(1)
+            elif e == "global":
+                stack.append(_printable(argument.decode("utf-8", "replace").replace("\n", "."), 100))
+            elif e == "stack_global":
+                del stack[-2:]
+                stack.append("a class")
+            elif e == "call" or e == "call_ex":
+                del stack[-(2 if e == "call_ex" else 1):]
+                if stack[-1].__class__ is not str:
+                    fail("a call of something other than a class")
+                stack[-1] = 0
+            elif e == "build":
+                stack.pop()
+                if stack[-1].__class__ is str:
+                    raise SnapshotError(f"not a memory snapshot: the pickle sets the state of the "
+                                        f"class {stack[-1]} itself (BUILD at byte {start})")
+            elif e == "pop":
+                if marks and marks[-1] == len(stack):
+                    marks.pop()
+                else:
+                    stack.pop()
+            elif e == "pop_mark":
+                del stack[marks.pop():]
+            elif e == "dup":
+                stack.append(stack[-1])
+            elif e == "proto":
+                if argument[0] > pickle.HIGHEST_PROTOCOL:
+                    fail(f"unsupported protocol {argument[0]}")
+            elif e == "stop":
+                stack.pop()
+                return
+    except (IndexError, KeyError, ValueError) as error:
+        fail({IndexError: "stack underflow", KeyError: "memo key missing",
+              ValueError: "bad memo index"}[type(error)])
+    raise SnapshotError("not a pickle (no STOP opcode: truncated?)")
+
+
+def _decompress(data, max_bytes):
+    """The contents of gzip `data`, read in pieces up to max_bytes so that a small file cannot
+    inflate without bound."""
+    out = io.BytesIO()
+    try:
+        with gzip.GzipFile(fileobj=io.BytesIO(data)) as f:
+            while True:
+                piece = f.read(min(1 << 20, max_bytes + 1 - out.tell()))
+                if not piece:
+                    break
+                out.write(piece)
+                if out.tell() > max_bytes:
+                    raise SnapshotError(f"gzip data decompresses to more than {max_bytes} bytes "
+                                        "(--max-input-bytes raises the limit)")
+    except (OSError, EOFError, zlib.error) as e:
+        raise SnapshotError(f"corrupt gzip data: {_printable(e, 200)}") from None
+    return out.getvalue()
+
+
+def load_snapshot_bytes(data, max_bytes=MAX_INPUT_BYTES):
+    """The snapshot dict in `data` (a pickle, or a gzip-compressed one); raises SnapshotError if
+    there is none."""
+    if len(data) > max_bytes:
+        raise SnapshotError(f"more than {max_bytes} bytes (--max-input-bytes raises the limit)")
+    if data[:2] == b"\x1f\x8b":
+        data = _decompress(data, max_bytes)
+    _scan(data)
+    try:
+        obj = RestrictedUnpickler(io.BytesIO(data)).load()
+    except SnapshotError:
+        raise
+    except Exception as e:  # a malformed stream can raise almost anything, MemoryError included
+        raise SnapshotError(f"not a pickle ({type(e).__name__}: {_printable(e, 200)})") from None
+    if not isinstance(obj, dict):
+        raise SnapshotError(f"not a memory snapshot: the pickle holds {_type_name(obj)}, "
+                            "not a dict")
+    return obj
+
+
+def load_snapshot(path, max_bytes=MAX_INPUT_BYTES):
     """Returns the snapshot dict stored at `path`; raises SnapshotError if there is none."""
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            size = os.fstat(f.fileno()).st_size  # 0 for a pipe: then read up to the limit
+            if size > max_bytes:
+                raise SnapshotError(f"more than {max_bytes} bytes (--max-input-bytes raises "
+                                    "the limit)")
+            data = f.read() if size else f.read(max_bytes + 1)
     except OSError as e:
-        raise SnapshotError(f"cannot read: {e.strerror or e}") from None
-    if data[:2] == b"\x1f\x8b":
-        try:
-            data = gzip.decompress(data)
-        except (OSError, EOFError) as e:
-            raise SnapshotError(f"corrupt gzip data: {e}") from None
-    try:
-        obj = RestrictedUnpickler(io.BytesIO(data)).load()
-    except Exception as e:  # a malformed stream can raise almost anything
-        raise SnapshotError(f"not a pickle ({type(e).__name__}: {e})") from None
-    if not isinstance(obj, dict):
-        raise SnapshotError(f"not a memory snapshot: the pickle holds a {type(obj).__name__}, "
-                            "not a dict")
-    return obj
+        raise SnapshotError(f"cannot read: {_printable(e.strerror or e, 200)}") from None
+    return load_snapshot_bytes(data, max_bytes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,7 +491,7 @@ def _device_trace(snapshot, device):
         raise SnapshotError("no device_traces: was _record_memory_history() enabled before "
                             "_dump_snapshot()?")
     if not isinstance(traces, (list, tuple)):
-        raise SnapshotError(f"device_traces is a {type(traces).__name__}, not a list")
+        raise SnapshotError(f"device_traces is {_type_name(traces)}, not a list")
     if device is None:
         busy = [i for i, t in enumerate(traces) if t]
         if len(busy) > 1:
@@ -259,23 +505,78 @@ def _device_trace(snapshot, device):
                             f"{len(traces)} device trace(s)")
     trace = traces[device]
     if not isinstance(trace, (list, tuple)):
-        raise SnapshotError(f"device_traces[{device}] is a {type(trace).__name__}, not a list")
+        raise SnapshotError(f"device_traces[{device}] is {_type_name(trace)}, not a list")
     return device, trace
 
 
-def _entry(e):
-    """(action, addr, size, stream) of a trace entry; addr/size None when unusable."""
-    if not isinstance(e, dict):
-        return None, None, None, None
-    return e.get("action"), _as_int(e.get("addr")), _as_int(e.get("size")), e.get("stream")
+def _checked(where, what, value, maximum):
+    """`value` if it is an int from 0 to `maximum` (2^48 or 2^64 - 1), None if it is missing or
+    not an int."""
+    value = _as_int(value)
+    if value is not None and not 0 <= value <= maximum:
+        shown = value if abs(value) < 1 << 64 else f"of {value.bit_length()} bits"
+        bound = "2^48" if maximum == MAX_SIZE else "2^64 - 1"
+        raise SnapshotError(f"{where}: {what} {shown} is out of range (0 to {bound})")
+    return value
+
+
+def _stream(where, value):
+    if value is not None and not isinstance(value, (int, str)):
+        raise SnapshotError(f"{where}: stream is {_type_name(value)}, not an integer")
+    return value
+
+
+def _sequence(where, value):
+    """`value` if it is a list or tuple, () if it is missing."""
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise SnapshotError(f"{where} is {_type_name(value)}, not a list")
+    return value
+
+
+def _entries(trace, device):
+    """(action, addr, size, stream) of each entry, checked; addr/size None when missing."""
+    out = []
+    for i, e in enumerate(trace):
+        where = f"device_traces[{device}][{i}]"
+        if not isinstance(e, dict):
+            raise SnapshotError(f"{where} is {_type_name(e)}, not a dict")
+        action = e.get("action")
+        if not isinstance(action, str):
+            raise SnapshotError(f"{where}: action is {_type_name(action)}, not a string")
+        out.append((action, _checked(where, "addr", e.get("addr"), MAX_ADDRESS),
+                    _checked(where, "size", e.get("size"), MAX_SIZE),
+                    _stream(where, e.get("stream"))))
+    return out
 
 
 def _device_segments(snapshot, device):
-    segments = snapshot.get("segments") or []
-    if not isinstance(segments, (list, tuple)):
-        return []
-    return [s for s in segments if isinstance(s, dict) and s.get("device", device) == device
-            and _as_int(s.get("address")) is not None and _as_int(s.get("total_size"))]
+    """The snapshot's segments on `device`, checked, as (address, total_size, stream, blocks),
+    blocks as (address or None, size, requested_size or None, state)."""
+    out = []
+    for i, seg in enumerate(_sequence("segments", snapshot.get("segments"))):
+        where = f"segments[{i}]"
+        if not isinstance(seg, dict):
+            raise SnapshotError(f"{where} is {_type_name(seg)}, not a dict")
+        if seg.get("device", device) != device:
+            continue
+        address = _checked(where, "address", seg.get("address"), MAX_ADDRESS)
+        total = _checked(where, "total_size", seg.get("total_size"), MAX_SIZE)
+        stream = _stream(where, seg.get("stream"))
+        blocks = []
+        for j, b in enumerate(_sequence(f"{where}.blocks", seg.get("blocks"))):
+            bwhere = f"{where}.blocks[{j}]"
+            if not isinstance(b, dict):
+                raise SnapshotError(f"{bwhere} is {_type_name(b)}, not a dict")
+            blocks.append((_checked(bwhere, "address", b.get("address"), MAX_ADDRESS),
+                           _checked(bwhere, "size", b.get("size"), MAX_SIZE) or 0,
+                           _checked(bwhere, "requested_size", b.get("requested_size"),
+                                    MAX_SIZE),
+                           b.get("state")))
+        if address is not None and total:
+            out.append((address, total, stream, blocks))
+    return out
 
 
 def _initial_state(snapshot, device, trace):
@@ -287,10 +588,9 @@ def _initial_state(snapshot, device, trace):
     """
     segments = _device_segments(snapshot, device)
     ranges = _Ranges()
-    for seg in segments:
-        ranges.add(seg["address"], seg["address"] + seg["total_size"])
-    for e in reversed(trace):
-        action, addr, size, _ = _entry(e)
+    for address, total, _, _ in segments:
+        ranges.add(address, address + total)
+    for action, addr, size, _ in reversed(trace):
         if addr is None or size is None:
             continue
         if action in MAP_ACTIONS:
@@ -299,8 +599,7 @@ def _initial_state(snapshot, device, trace):
             ranges.add(addr, addr + size)
 
     live, allocs, seen = set(), [], set()
-    for e in trace:
-        action, addr, size, stream = _entry(e)
+    for action, addr, size, stream in trace:
         if addr is None:
             continue
         if action in ALLOC_ACTIONS:
@@ -311,28 +610,21 @@ def _initial_state(snapshot, device, trace):
             elif addr not in seen and size is not None:
                 seen.add(addr)
                 allocs.append((addr, round_size(size), stream))
-    for seg in segments:
-        offset = seg["address"]
-        for b in seg.get("blocks") or []:
-            if not isinstance(b, dict):
-                continue
-            bsize = _as_int(b.get("size")) or 0
-            addr = _as_int(b.get("address"))
+    for offset, _, seg_stream, blocks in segments:
+        for addr, bsize, requested, state in blocks:
             addr = offset if addr is None else addr  # old snapshots: blocks lie back to back
             offset = addr + bsize
-            state = b.get("state")
             if (isinstance(state, str) and state.startswith("active")
                     and addr not in live and addr not in seen):
-                requested = _as_int(b.get("requested_size"))
                 seen.add(addr)
-                allocs.append((addr, round_size(requested) if requested else bsize,
-                               seg.get("stream")))
+                allocs.append((addr, round_size(requested) if requested else bsize, seg_stream))
     return ranges, allocs
 
 
 def convert(snapshot, device=None, include_initial=False):
     """Converts a loaded snapshot dict; raises SnapshotError if it has no usable trace."""
     device, trace = _device_trace(snapshot, device)
+    trace = _entries(trace, device)
     out = Conversion(device=device)
     lines = out.lines
     initial_ranges, initial_allocs = _initial_state(snapshot, device, trace)
@@ -344,8 +636,7 @@ def convert(snapshot, device=None, include_initial=False):
     active = reserved = 0
 
     def stream_no(stream):
-        key = stream if isinstance(stream, (int, str, type(None))) else repr(stream)
-        return out.streams.setdefault(key, len(out.streams))
+        return out.streams.setdefault(stream, len(out.streams))
 
     def alloc(addr, nbytes, stream):
         nonlocal active
@@ -379,8 +670,7 @@ def convert(snapshot, device=None, include_initial=False):
             alloc(addr, nbytes, stream)
         out.initial_allocations = len(initial_allocs)
 
-    for e in trace:
-        action, addr, size, stream = _entry(e)
+    for action, addr, size, stream in trace:
         if action in ALLOC_ACTIONS | FREE_ACTIONS | MAP_ACTIONS | UNMAP_ACTIONS and (
                 addr is None or (size is None and action not in FREE_ACTIONS)):
             out.skipped[f"malformed {action}"] += 1
@@ -413,8 +703,10 @@ def convert(snapshot, device=None, include_initial=False):
             reserved -= removed
         elif action in SKIPPED_ACTIONS:
             out.skipped[action] += 1
+        elif len(out.skipped) < 20:
+            out.skipped[f"unknown action {_printable(repr(action), 40)}"] += 1
         else:
-            out.skipped[f"unknown action {action!r}"] += 1
+            out.skipped["unknown action (others)"] += 1
     return out
 
 
@@ -474,23 +766,46 @@ def _parser():
     p.add_argument("--include-initial", action="store_true",
                    help="first emit the segments and allocations that existed before the "
                         "history began (off by default)")
+    p.add_argument("--max-input-bytes", type=int, default=MAX_INPUT_BYTES, metavar="N",
+                   help="refuse a snapshot larger than N bytes, after decompression "
+                        f"(default {MAX_INPUT_BYTES}, 1 GiB)")
     return p
+
+
+def convert_bytes(data, device=None, include_initial=False, max_bytes=MAX_INPUT_BYTES):
+    """The trace text (one event a line, each ending in a newline) of the snapshot held in `data`,
+    a pickle or a gzip-compressed one, as the command line would write it; touches no file.
+
+    Contract (what a fuzz harness may rely on): for any bytes, it returns a str or raises
+    SnapshotError, whose message is one printable line of at most a few hundred characters. Any
+    other exception is a bug. Memory is bounded by `max_bytes` (the decompressed pickle) times the
+    unpickler's constant factor; nothing in `data` is executed.
+    """
+    conv = convert(load_snapshot_bytes(data, max_bytes), device, include_initial)
+    return "".join(line + "\n" for line in conv.lines)
 
 
 def main(argv=None):
     """Runs the command line; returns the exit status (0, or 2 for a bad snapshot)."""
     args = _parser().parse_args(argv)
+    path = _printable(args.input)
     try:
-        conv = convert(load_snapshot(args.input), args.device, args.include_initial)
+        conv = convert(load_snapshot(args.input, args.max_input_bytes), args.device,
+                       args.include_initial)
     except SnapshotError as e:
-        print(f"{PROG}: error: {args.input}: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {path}: {_printable(e, 500)}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - a bug, MemoryError or RecursionError: still one line
+        print(f"{PROG}: error: {path}: cannot convert ({type(e).__name__}: {_printable(e, 200)})",
+              file=sys.stderr)
         return 2
     try:
         _write(conv.lines, args.output)
     except OSError as e:
-        print(f"{PROG}: error: {args.output}: cannot write: {e.strerror or e}", file=sys.stderr)
+        print(f"{PROG}: error: {_printable(args.output)}: cannot write: "
+              f"{_printable(e.strerror or e, 200)}", file=sys.stderr)
         return 2
-    _report(args.input, conv, args.include_initial, sys.stderr)
+    _report(path, conv, args.include_initial, sys.stderr)
     return 0
 
 

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <exception>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "glake/config.hpp"
@@ -49,8 +50,13 @@ struct options {
   std::string glake_conf;
 };
 
+/// Text from the command line or a trace, escaped for the terminal.
+std::string shown(std::string_view text, std::size_t limit = std::string_view::npos) {
+  return glake::replay::detail::printable(text, limit);
+}
+
 [[noreturn]] void fail_usage(const std::string& message) {
-  std::fprintf(stderr, "glake-replay: %s\n%s", message.c_str(), usage);
+  std::fprintf(stderr, "glake-replay: %s\n%s", shown(message, 300).c_str(), usage);
   std::exit(2);
 }
 
@@ -175,6 +181,37 @@ void print_row(const replay_result& r, double training_seconds) {
   std::printf("\n");
 }
 
+/// Reads one trace and replays it through every chosen configuration, printing as it goes.
+void replay_file(const std::string& path, const options& o, const std::vector<configuration>& chosen,
+                 bool show_progress) {
+  const trace t = read_trace(path);
+  std::vector<plot_series> plots;
+  for (const configuration& c : chosen) {
+    const auto progress = [&](double fraction) {
+      std::fprintf(stderr, "\r%s / %s: %3.0f%%", t.name.c_str(), c.name.c_str(), 100.0 * fraction);
+    };
+    replay_result r = replay_trace(t, c, o.capacity, !o.plot_dir.empty(),
+                                   show_progress ? std::function<void(double)>(progress) : nullptr);
+    if (show_progress) std::fprintf(stderr, "\r%*s\r", 60, "");
+    if (o.json) {
+      print_json(r, o.capacity);
+    } else {
+      print_row(r, o.training_seconds);
+    }
+    std::fflush(stdout);
+    if (!o.plot_dir.empty()) plots.push_back({r.allocator, std::move(r.reserved_series), std::move(r.active_series)});
+  }
+  if (!o.json && t.recorded_peak_reserved > 0) {
+    std::printf("%-14s %-20s %9s %11.3f   (the recorded run's own peak reserved, from the trace's S/U lines)\n",
+                t.name.c_str(), "recorded", "", static_cast<double>(t.recorded_peak_reserved) / 1e9);
+  }
+  if (!o.plot_dir.empty()) {
+    const std::string file = o.plot_dir + "/" + t.name + ".svg";
+    write_svg(file, t.name + ": reserved bytes over the trace", plots);
+    if (!o.quiet) std::fprintf(stderr, "wrote %s\n", shown(file).c_str());
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -197,38 +234,19 @@ int main(int argc, char** argv) {
   }
   const bool show_progress = !o.quiet && isatty(STDERR_FILENO);
   if (!o.json) print_header(o.training_seconds);
-  try {
-    for (const std::string& path : o.traces) {
-      const trace t = read_trace(path);
-      std::vector<plot_series> plots;
-      for (const configuration& c : chosen) {
-        const auto progress = [&](double fraction) {
-          std::fprintf(stderr, "\r%s / %s: %3.0f%%", t.name.c_str(), c.name.c_str(), 100.0 * fraction);
-        };
-        replay_result r = replay_trace(t, c, o.capacity, !o.plot_dir.empty(),
-                                       show_progress ? std::function<void(double)>(progress) : nullptr);
-        if (show_progress) std::fprintf(stderr, "\r%*s\r", 60, "");
-        if (o.json) {
-          print_json(r, o.capacity);
-        } else {
-          print_row(r, o.training_seconds);
-        }
-        std::fflush(stdout);
-        if (!o.plot_dir.empty()) plots.push_back({r.allocator, std::move(r.reserved_series), std::move(r.active_series)});
-      }
-      if (!o.json && t.recorded_peak_reserved > 0) {
-        std::printf("%-14s %-20s %9s %11.3f   (the recorded run's own peak reserved, from the trace's S/U lines)\n",
-                    t.name.c_str(), "recorded", "", static_cast<double>(t.recorded_peak_reserved) / 1e9);
-      }
-      if (!o.plot_dir.empty()) {
-        const std::string file = o.plot_dir + "/" + t.name + ".svg";
-        write_svg(file, t.name + ": reserved bytes over the trace", plots);
-        if (!o.quiet) std::fprintf(stderr, "wrote %s\n", file.c_str());
-      }
+  for (const std::string& path : o.traces) {
+    try {
+      replay_file(path, o, chosen, show_progress);
+    } catch (const trace_error& e) {  // names the file and line already
+      std::fprintf(stderr, "glake-replay: %s\n", shown(e.what()).c_str());
+      return 1;
+    } catch (const replay_error& e) {  // and the configuration and event
+      std::fprintf(stderr, "glake-replay: %s\n", shown(e.what()).c_str());
+      return 1;
+    } catch (const std::exception& e) {  // e.g. the plot cannot be written
+      std::fprintf(stderr, "glake-replay: %s: %s\n", shown(path).c_str(), shown(e.what()).c_str());
+      return 1;
     }
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "glake-replay: %s\n", e.what());
-    return 1;
   }
   return 0;
 }

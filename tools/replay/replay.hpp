@@ -5,7 +5,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <limits>
+#include <new>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -47,11 +50,62 @@ struct replay_result {
   std::vector<double> active_series;
 };
 
+/// An exception that ended a replay, with where it happened: "<source>:<line>: <configuration>,
+/// event <n> (<the event>): <what the exception said>".
+class replay_error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+namespace detail {
+
+inline std::string describe(const trace_event& e) {
+  switch (e.what) {
+    case trace_event::kind::alloc:
+      return "a," + std::to_string(e.id) + "," + std::to_string(e.bytes) + "," + std::to_string(e.stream);
+    case trace_event::kind::free:
+      return "f," + std::to_string(e.id);
+    case trace_event::kind::segment_alloc:
+      return "S," + std::to_string(e.bytes);
+    case trace_event::kind::segment_free:
+      return "U," + std::to_string(e.bytes);
+  }
+  return "?";
+}
+
+inline replay_result replay_events(const trace& t, const configuration& c, std::size_t capacity, bool series,
+                                   const std::function<void(double)>& progress, std::size_t& i);
+
+}  // namespace detail
+
 /// Replays the a/f events of `t` in order through a fresh instance of `c` on a simulated device
 /// of `capacity` bytes. A request the allocator cannot meet counts as failed and its free is
-/// skipped. `progress(fraction)` is called every 1/64 of the trace when given.
+/// skipped. `progress(fraction)` is called every 1/64 of the trace when given. Any exception
+/// (std::bad_alloc from a host out of memory, a broken allocator invariant) comes out as
+/// replay_error naming the trace's file, the event's line and the configuration.
 inline replay_result replay_trace(const trace& t, const configuration& c, std::size_t capacity, bool series,
                                   const std::function<void(double)>& progress = {}) {
+  std::size_t i = std::numeric_limits<std::size_t>::max();  // not yet at an event
+  try {
+    return detail::replay_events(t, c, capacity, series, progress, i);
+  } catch (const replay_error&) {
+    throw;
+  } catch (const std::exception& e) {
+    const std::string what = dynamic_cast<const std::bad_alloc*>(&e) != nullptr
+                                 ? std::string("out of host memory (") + e.what() + ")"
+                                 : std::string(e.what());
+    if (i < t.events.size()) {
+      throw replay_error(t.source + ":" + std::to_string(t.line_of(i)) + ": " + c.name + ", event " +
+                         std::to_string(i + 1) + " (" + detail::describe(t.events[i]) + "): " + what);
+    }
+    throw replay_error(t.source + ": " + c.name + (i == t.events.size() ? ", after the last event: " : ", setting up: ") +
+                       what);
+  }
+}
+
+/// replay_trace's work; `i` tells the caller which event was being replayed when it threw.
+inline replay_result detail::replay_events(const trace& t, const configuration& c, std::size_t capacity, bool series,
+                                           const std::function<void(double)>& progress, std::size_t& i) {
   std::unique_ptr<replayable> allocator = c.make(capacity);
   replay_result r;
   r.trace = t.name;
@@ -73,7 +127,7 @@ inline replay_result replay_trace(const trace& t, const configuration& c, std::s
     }
   };
   const auto start = std::chrono::steady_clock::now();
-  for (std::size_t i = 0; i < t.events.size(); ++i) {
+  for (i = 0; i < t.events.size(); ++i) {
     const trace_event& e = t.events[i];
     if (e.what == trace_event::kind::alloc) {
       void* p = allocator->try_allocate(e.bytes, stream_ref{e.stream});

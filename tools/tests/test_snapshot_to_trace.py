@@ -3,14 +3,19 @@
 Run: python3 -m unittest discover -s tools/tests -v
 """
 
+import collections
 import contextlib
 import gzip
 import io
 import os
 import pickle
+import random
+import resource
 import subprocess
 import sys
 import tempfile
+import time
+import tracemalloc
 import unittest
 
 TOOLS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -320,6 +325,163 @@ class ConverterTest(unittest.TestCase):
         out = os.path.join(self.dir, "t.trace")
         self.assert_error(self.dump({"x": 1}), "no device_traces", "-o", out)
         self.assertFalse(os.path.exists(out))
+
+    # -- hostile input -------------------------------------------------------------------------
+
+    def write(self, data, name="hostile.pickle"):
+        path = os.path.join(self.dir, name)
+        with open(path, "wb") as f:
+            f.write(data)
+        return path
+
+    def test_build_on_a_class_is_refused_and_the_class_is_unchanged(self):
+        # collections.Counter, then BUILD with state (None, {"most_common": 1}): setattr on the
+        # class itself, for the whole process, under a plain restricted unpickler.
+        data = (b"\x80\x04ccollections\nCounter\nN}\x8c\x0bmost_common\x94K\x01s\x86b.")
+        original = collections.Counter.most_common
+        try:
+            self.assert_error(self.write(data), "sets the state of the class collections.Counter "
+                                                "itself")
+        finally:
+            changed = collections.Counter.most_common is not original
+            collections.Counter.most_common = original
+        self.assertFalse(changed, "the pickle changed collections.Counter")
+
+    def test_a_small_pickle_cannot_call_constructors_with_huge_arguments(self):
+        # list(bytes(2**24)): a 50-byte file that allocated a 16 MiB bytes and a 128 MiB list.
+        data = (b"\x80\x04cbuiltins\nlist\ncbuiltins\nbytes\nJ\x00\x00\x00\x01\x85R\x85R.")
+        tracemalloc.start()
+        try:
+            self.assert_error(self.write(data), "not a memory snapshot")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        self.assertLess(peak, 4 * MiB)
+
+    def test_gzip_that_inflates_past_the_limit_is_refused_without_inflating_it(self):
+        bomb = gzip.compress(bytes(64 * MiB), compresslevel=9)
+        self.assertLess(len(bomb), MiB)
+        tracemalloc.start()
+        try:
+            with self.assertRaisesRegex(s2t.SnapshotError, f"decompresses to more than {MiB} bytes"):
+                s2t.load_snapshot_bytes(bomb, max_bytes=MiB)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        self.assertLess(peak, 8 * MiB)
+        self.assert_error(self.write(bomb, "bomb.pickle.gz"), "decompresses to more than",
+                          "--max-input-bytes", str(MiB))
+        self.assert_error(self.write(bomb[:len(bomb) // 2], "cut.pickle.gz"), "corrupt gzip data")
+
+    def test_malformed_structures_end_in_one_line_naming_the_entry(self):
+        cases = [
+            (snapshot([ev("alloc", 0, 512), ev([1], 0, 512)]),
+             "device_traces[0][1]: action is a list, not a string"),
+            (snapshot([ev("alloc", 0, 512), 7]), "device_traces[0][1] is an int, not a dict"),
+            (snapshot([ev("alloc", 0, 512)], segments=[{"address": 0, "total_size": MiB,
+                                                        "blocks": 5}]),
+             "segments[0].blocks is an int, not a list"),
+            (snapshot([ev("alloc", 0, 512)], segments=[{"address": 0, "total_size": MiB,
+                                                        "blocks": [None]}]),
+             "segments[0].blocks[0] is a NoneType, not a dict"),
+            (dict(snapshot([ev("alloc", 0, 512)]), segments=5), "segments is an int, not a list"),
+            (snapshot([ev("alloc", 0, -100)]),
+             "device_traces[0][0]: size -100 is out of range (0 to 2^48)"),
+            (snapshot([ev("alloc", 0, 2**80)]),
+             "device_traces[0][0]: size of 81 bits is out of range (0 to 2^48)"),
+            (snapshot([ev("segment_map", 0, 2**48 + 1)]), "size 281474976710657 is out of range"),
+            (snapshot([ev("alloc", -1, 512)]), "device_traces[0][0]: addr -1 is out of range"),
+            (snapshot([ev("alloc", 0, 512)], segments=[{"address": 0, "total_size": -5}]),
+             "segments[0]: total_size -5 is out of range"),
+            (snapshot([ev("alloc", 0, 512, stream=[1, [2]])]),
+             "device_traces[0][0]: stream is a list, not an integer"),
+        ]
+        for snap, message in cases:
+            with self.subTest(message=message):
+                self.assert_error(self.dump(snap), message)
+
+    def test_a_stream_that_would_repr_exponentially_is_refused_at_once(self):
+        # Ten references to the one list under it, 30 deep: 10^30 elements when printed.
+        nested = [0]
+        for _ in range(30):
+            nested = [nested] * 10
+        start = time.monotonic()
+        self.assert_error(self.dump(snapshot([ev("alloc", 0, 512, stream=nested)])),
+                          "stream is a list, not an integer")
+        self.assertLess(time.monotonic() - start, 5)
+
+    def run_script(self, path, limit_memory=False):
+        def limit():
+            resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+        return subprocess.run([sys.executable, SCRIPT, path], capture_output=True, text=True,
+                              timeout=120, preexec_fn=limit if limit_memory else None)
+
+    def test_deeply_nested_tuples_are_refused_before_python_hashes_them(self):
+        # A dict keyed by a tuple 10^6 deep: hashing it recursed in C and crashed the interpreter.
+        data = b"\x80\x04}K\x01" + b"\x85" * 1_000_000 + b"K\x02s."
+        r = self.run_script(self.write(data))
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("tuples nested more than 100 deep", r.stderr)
+        self.assertEqual(len(r.stderr.splitlines()), 1)
+
+    def test_a_memo_index_far_ahead_is_refused_before_the_memo_grows_to_it(self):
+        # LONG_BINPUT 2^28: the unpickler's memo array grew to 2^29 slots (4 GiB).
+        data = b"\x80\x04}r\x00\x00\x00\x10."
+        r = self.run_script(self.write(data), limit_memory=True)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("memo index 268435456 out of sequence", r.stderr)
+
+    def test_opcodes_a_snapshot_never_needs_are_refused(self):
+        for data, name in ((b"\x80\x04\x8c\x011\x94Q.", "BINPERSID"),
+                           (b"\x80\x02\x82\x01.", "EXT1"),
+                           (b"(i__main__\nX\n.", "INST")):
+            with self.subTest(name=name):
+                self.assert_error(self.write(data), f"the pickle uses {name}")
+
+    def test_control_characters_are_escaped_in_messages(self):
+        rc, _, err = self.run_main(self.write(b"\x1b[31m\x07"))
+        self.assertEqual(rc, 2)
+        self.assertNotIn("\x1b", err)
+        self.assertIn("unknown opcode 0x1b at byte 0", err)
+        path = self.write(b"\x80\x04].", "odd\x1b[2Jname.pickle")
+        rc, _, err = self.run_main(path)
+        self.assertEqual(rc, 2)
+        self.assertNotIn("\x1b", err)
+        self.assertIn("odd\\x1b[2Jname.pickle", err)
+        lines, err = self.convert(snapshot([ev("alloc", 0, 512), ev("\x1b[2J" + "x" * 500)]))
+        self.assertNotIn("\x1b", err)
+        self.assertLess(max(len(line) for line in err.splitlines()), 300)
+
+    def test_an_unexpected_exception_still_ends_in_one_line_and_status_2(self):
+        original = s2t.convert
+        s2t.convert = lambda *args: (_ for _ in ()).throw(RecursionError("too deep"))
+        try:
+            self.assert_error(self.dump(snapshot([ev("alloc", 0, 512)])),
+                              "cannot convert (RecursionError: too deep)")
+        finally:
+            s2t.convert = original
+
+    def test_convert_bytes_returns_text_or_raises_snapshot_error_only(self):
+        valid = pickle.dumps(snapshot([ev("alloc", 0x1000, 1000), ev("free_completed", 0x1000),
+                                       ev("segment_map", 0, 2 * MiB)]), protocol=4)
+        self.assertEqual(s2t.convert_bytes(valid), f"a,0,1024,0\nf,0\nS,{2 * MiB}\n")
+        self.assertEqual(s2t.convert_bytes(gzip.compress(valid)), s2t.convert_bytes(valid))
+        rng = random.Random(1)
+        for protocol in (0, 2, 4, 5):
+            data = pickle.dumps(snapshot([ev("alloc", 0x1000, 1000), ev("free", 0x1000)]),
+                                protocol=protocol)
+            for _ in range(300):
+                mutated = bytearray(data)
+                for _ in range(rng.randint(1, 4)):
+                    at = rng.randrange(len(mutated))
+                    mutated[at] = rng.randrange(256)
+                if rng.random() < 0.3:
+                    mutated = mutated[:rng.randrange(len(mutated))]
+                try:
+                    self.assertIsInstance(s2t.convert_bytes(bytes(mutated)), str)
+                except s2t.SnapshotError as e:
+                    self.assertEqual(len(str(e).splitlines()), 1)
+                    self.assertTrue(str(e).isprintable(), str(e))
 
     # -- as a program --------------------------------------------------------------------------
 

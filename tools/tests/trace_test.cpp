@@ -6,6 +6,9 @@
 
 #include <cstdio>
 #include <fstream>
+#include <memory>
+#include <new>
+#include <optional>
 #include <string>
 
 #include "configurations.hpp"
@@ -101,6 +104,144 @@ TEST_CASE("trace: bad input is refused with the file and line, never half-read")
   std::string bytes((std::istreambuf_iterator<char>(in)), {});
   const std::string cut = temp_file("cut.gz", bytes.substr(0, bytes.size() / 2));
   CHECK(error_of(cut).find("truncated or corrupt") != std::string::npos);
+}
+
+TEST_CASE("trace: an empty file, a 0-byte .gz and a file of comments are refused: no events") {
+  CHECK(error_of(temp_file("empty", "")).find("glake_trace_test_empty: no events") != std::string::npos);
+  CHECK(error_of(temp_file("empty.gz", "")).find("glake_trace_test_empty.gz: no events") != std::string::npos);
+  CHECK(error_of(temp_file("comments", "# nothing\n\n")).find(": no events") != std::string::npos);
+  CHECK(error_of(temp_file("segments_only", "S,512\nU,512\n")).find(": no allocations") != std::string::npos);
+  CHECK_THROWS_AS((void)parse_trace("", "buffer"), trace_error);
+}
+
+TEST_CASE("trace: sizes beyond 2^48 bytes and numbers that do not fit are errors naming file and line") {
+  CHECK(error_of(temp_file("huge", "a,0,512,0\na,1,9223372036854775808,0\n"))
+            .find("glake_trace_test_huge:2: size 9223372036854775808 is more than 2^48 bytes") != std::string::npos);
+  CHECK(error_of(temp_file("huge_segment", "S,281474976710657\n")).find(":1: segment size 281474976710657 is more") !=
+        std::string::npos);
+  CHECK_NOTHROW((void)parse_trace("a,0,281474976710656,0\n", "buffer"));  // 2^48 itself is allowed
+  CHECK(error_of(temp_file("id_overflow", "a,18446744073709551616,512,0\n"))
+            .find(":1: id '18446744073709551616' is out of range (at most 18446744073709551615)") != std::string::npos);
+  CHECK(error_of(temp_file("stream_overflow", "a,1,512,4294967296\n")).find(":1: stream '4294967296' is out of range") !=
+        std::string::npos);
+  CHECK(error_of(temp_file("negative", "a,1,-100,0\n")).find(":1: size '-100' is not a non-negative integer") !=
+        std::string::npos);
+  CHECK(error_of(temp_file("plus", "a,+1,512,0\n")).find(":1: id '+1' is not a non-negative integer") !=
+        std::string::npos);
+  CHECK(error_of(temp_file("space", "a,1, 512,0\n")).find(":1: size ' 512' is not") != std::string::npos);
+  CHECK(error_of(temp_file("empty_field", "a,1,,0\n")).find(":1: size is empty") != std::string::npos);
+  // The sum of live bytes must fit too: 65536 live allocations of 2^48 bytes are 2^64.
+  std::string many;
+  for (int i = 0; i < 65536; ++i) many += "a," + std::to_string(i) + ",281474976710656,0\n";
+  CHECK(error_of(temp_file("sum", many)).find(":65536: live allocations exceed 2^64 bytes") != std::string::npos);
+}
+
+TEST_CASE("trace: a NUL byte is named as such, with its line and column") {
+  CHECK(error_of(temp_file("nul", std::string("a,1,512,0\na,2,5\0""12,0\n", 20)))
+            .find("glake_trace_test_nul:2: NUL byte at column 6") != std::string::npos);
+  CHECK(error_of(temp_file("nul_comment", std::string("# \0\na,1,512,0\n", 14))).find(":1: NUL byte at column 3") !=
+        std::string::npos);
+}
+
+TEST_CASE("trace: control characters are escaped and long fragments truncated in messages") {
+  const std::string message = error_of(temp_file("control", "a,1,512,0\n\x1b[31mred,1\n"));
+  CHECK(message.find(":2: unknown record '\\x1b[31mred'") != std::string::npos);
+  CHECK(message.find('\x1b') == std::string::npos);
+  const std::string high = error_of(temp_file("high", "a,1,\xff\xfe,0\n"));
+  CHECK(high.find("size '\\xff\\xfe' is not") != std::string::npos);
+  const std::string long_field = error_of(temp_file("long_field", "a,1," + std::string(1000, '7') + "x,0\n"));
+  CHECK(long_field.find(":1: size '" + std::string(32, '7') + "...' (1001 bytes) is not") != std::string::npos);
+  CHECK(long_field.size() < 200);
+  CHECK(error_of(temp_file("too_long", "# " + std::string(5000, 'x') + "\n")).find(":1: line longer than 4096 bytes") !=
+        std::string::npos);
+}
+
+TEST_CASE("trace: CRLF line endings and a last line without its newline are accepted") {
+  const trace t = read_trace(temp_file("crlf", "# made on Windows\r\na,1,512,0\r\nf,1\r\na,2,1024,3"));
+  REQUIRE(t.events.size() == 3);
+  CHECK(t.events[2].bytes == 1024);
+  CHECK(t.events[2].stream == 3);
+  CHECK(error_of(temp_file("cr_cr", "a,1,512,0\r\r\n")).find(":1: stream '0\\x0d' is not") != std::string::npos);
+}
+
+TEST_CASE("trace: parse_trace reads a buffer as read_trace reads a file, and maps events to lines") {
+  const trace t = parse_trace("# header\n\na,1,512,0\nf,1\n# mid\na,2,512,0\n", "mem", "name");
+  CHECK(t.name == "name");
+  CHECK(t.source == "mem");
+  REQUIRE(t.events.size() == 3);
+  CHECK(t.line_of(0) == 3);
+  CHECK(t.line_of(1) == 4);
+  CHECK(t.line_of(2) == 6);
+  std::string message;
+  try {
+    (void)parse_trace("a,1,512,0\nf,2\n", "mem");
+  } catch (const trace_error& e) {
+    message = e.what();
+  }
+  CHECK(message == "mem:2: free of allocation id 2, which is not live");
+  // Whatever the bytes, only trace_error comes out.
+  std::string noise;
+  for (unsigned i = 0; i < 4096; ++i) noise += static_cast<char>((i * 2654435761u) >> 13);
+  for (std::size_t cut = 0; cut < noise.size(); cut += 97) {
+    CHECK_THROWS_AS((void)parse_trace(std::string_view(noise).substr(cut), "noise"), trace_error);
+  }
+  const trace bundled_from_memory = [] {
+    gzFile in = gzopen(bundled("opt1.3b-LR").c_str(), "rb");
+    std::string text;
+    char buffer[1 << 16];
+    for (int n; (n = gzread(in, buffer, sizeof buffer)) > 0;) text.append(buffer, static_cast<std::size_t>(n));
+    gzclose(in);
+    return parse_trace(text);
+  }();
+  CHECK(bundled_from_memory.events.size() == read_trace(bundled("opt1.3b-LR")).events.size());
+}
+
+TEST_CASE("trace: a directory or a truncated gzip header is an error, not an empty trace") {
+  CHECK(error_of("/tmp").find("/tmp:1: cannot read: Is a directory") != std::string::npos);
+  CHECK(error_of(temp_file("header_only.gz", std::string("\x1f\x8b\x08\x00", 4))).find("truncated or corrupt") !=
+        std::string::npos);
+}
+
+namespace {
+
+/// A configuration's allocator that throws std::bad_alloc on its `fail_at`-th request, as one
+/// that runs the host out of memory would.
+class throwing_replayable final : public replayable {
+ public:
+  throwing_replayable(std::unique_ptr<replayable> inner, int fail_at) : inner_(std::move(inner)), fail_at_(fail_at) {}
+  void* try_allocate(std::size_t bytes, glake::stream_ref stream) override {
+    if (++calls_ == fail_at_) throw std::bad_alloc();
+    return inner_->try_allocate(bytes, stream);
+  }
+  void deallocate(void* p, std::size_t bytes, glake::stream_ref stream) override { inner_->deallocate(p, bytes, stream); }
+  std::optional<free_breakdown> free_memory() const override { return inner_->free_memory(); }
+  std::size_t reserved_bytes() const override { return inner_->reserved_bytes(); }
+  glake::statistics stats() const override { return inner_->stats(); }
+  void verify() const override { inner_->verify(); }
+  const glake::sim_device& device() const override { return inner_->device(); }
+
+ private:
+  std::unique_ptr<replayable> inner_;
+  int fail_at_;
+  int calls_ = 0;
+};
+
+}  // namespace
+
+TEST_CASE("replay: an exception while replaying names the file, the line, the configuration and the event") {
+  configuration c = named("glake");
+  const auto make = c.make;
+  c.make = [make](std::size_t capacity) -> std::unique_ptr<replayable> {
+    return std::make_unique<throwing_replayable>(make(capacity), 2);
+  };
+  const trace t = read_trace(temp_file("throws", "a,1,512,0\n# note\na,2,1024,3\nf,1\n"));
+  std::string message;
+  try {
+    (void)replay_trace(t, c, std::size_t{1} << 40, false);
+  } catch (const replay_error& e) {
+    message = e.what();
+  }
+  CHECK(message == "/tmp/glake_trace_test_throws:3: glake, event 2 (a,2,1024,3): out of host memory (std::bad_alloc)");
 }
 
 TEST_CASE("replay: pytorch-default reproduces PyTorch's own peak reserved within 5% on every trace") {
