@@ -470,6 +470,7 @@ TEST_CASE("host: a system call's refusal is reported with the call and its errno
     const host_failure failure = allocator.provider().last_failure();
     REQUIRE(failure);
     CHECK(failure.error == EMFILE);
+    CHECK(failure.count >= 3);  // one per refused create: the provider's, try_allocate's, allocate's
     CHECK(failure.message() == "memfd_create: Too many open files (EMFILE)");
     CHECK(provider.created_bytes() == 0);
 
@@ -491,6 +492,7 @@ TEST_CASE("host: a system call's refusal is reported with the call and its errno
       CHECK_FALSE(provider.try_create(g).has_value());
     }
     CHECK(provider.last_failure().message() == "ftruncate: File too large (EFBIG)");
+    CHECK(provider.last_failure().count == 1);
     for (const host_handle& handle : handles) provider.release(handle);
   }
 

@@ -145,9 +145,12 @@ inline long read_long(const char* path) noexcept {
 
 /// The last system call the host backend saw refused, and its errno: what an out-of-resources
 /// failure (an empty optional, null or false) came from. Empty (false) when none was refused.
+/// `count` numbers the refusals seen so far, so that a caller comparing two reports can tell a
+/// new refusal from an old one with the same call and errno.
 struct host_failure {
   host_call call = host_call::none;
   int error = 0;
+  std::uint64_t count = 0;
 
   explicit operator bool() const noexcept { return call != host_call::none; }
   const char* call_name() const noexcept { return detail::host_call_names[static_cast<std::size_t>(call)]; }
@@ -172,19 +175,25 @@ struct host_failure {
 namespace detail {
 
 // The most recent failure seen by a provider or reserver and its copies, in one atomic word
-// (call in the high half, errno in the low half) so that recording one is lock-free and noexcept.
+// (call: 8 bits, errno: 16 bits, which Linux's values fit, count: 40 bits) so that recording
+// one is lock-free and noexcept.
 class failure_record {
  public:
   void record(host_call call, int error) noexcept {
-    word_.store(std::uint64_t{static_cast<std::uint32_t>(call)} << 32 | static_cast<std::uint32_t>(error),
-                std::memory_order_relaxed);
+    std::uint64_t word = word_.load(std::memory_order_relaxed);
+    std::uint64_t next;
+    do {
+      next = std::uint64_t{static_cast<std::uint8_t>(call)} << 56 |
+             std::uint64_t{static_cast<std::uint16_t>(error)} << 40 | (((word & count_mask) + 1) & count_mask);
+    } while (!word_.compare_exchange_weak(word, next, std::memory_order_relaxed));
   }
   host_failure last() const noexcept {
     const std::uint64_t word = word_.load(std::memory_order_relaxed);
-    return {static_cast<host_call>(word >> 32), static_cast<int>(word & 0xffffffffu)};
+    return {static_cast<host_call>(word >> 56), static_cast<int>(word >> 40 & 0xffffu), word & count_mask};
   }
 
  private:
+  static constexpr std::uint64_t count_mask = (std::uint64_t{1} << 40) - 1;
   std::atomic<std::uint64_t> word_{0};
 };
 
