@@ -202,6 +202,40 @@ TEST_CASE_TEMPLATE("allocator conformance: out of memory throws a bad_alloc that
   f.allocator.verify();
 }
 
+// Sizes no backend can hold, up to SIZE_MAX (where rounding would wrap to a small size). Each is
+// refused before any work proportional to it: the timeout only keeps a regression from hanging
+// the suite (one such request used to plan a handle per chunk: seconds and gigabytes).
+inline constexpr std::size_t hopeless_sizes[] = {
+    std::size_t{1} << 40, std::size_t{1} << 50, std::size_t{1} << 62, (std::size_t{1} << 63) + 1,
+    ~std::size_t{0} - (std::size_t{1} << 20), ~std::size_t{0} - 1, ~std::size_t{0}};
+
+TEST_CASE_TEMPLATE("allocator conformance: any size up to SIZE_MAX fails at once, counted, keeping the cache" *
+                       doctest::timeout(30),
+                   F, GLAKE_ALLOCATOR_FIXTURES) {
+  F f;
+  void* held = f.allocator.allocate(64 << 20);
+  void* cached = f.allocator.allocate(256 << 20);
+  f.allocator.deallocate(cached, 256 << 20);  // free, cached: a hopeless request must not drop it
+  const statistics before = f.allocator.stats();
+  std::uint64_t failed = before.failed_allocations;
+  for (std::size_t bytes : hopeless_sizes) {
+    CAPTURE(bytes);
+    CHECK(f.allocator.try_allocate(bytes) == nullptr);
+    CHECK(f.allocator.stats().failed_allocations == ++failed);
+    CHECK_THROWS_AS((void)f.allocator.allocate(bytes), out_of_memory);
+    CHECK(f.allocator.stats().failed_allocations == ++failed);
+  }
+  const statistics after = f.allocator.stats();
+  CHECK(same_accounting(before, after));
+  CHECK(after.driver_calls == before.driver_calls);  // not one handle created for them
+  CHECK(f.device.violations() == 0);
+  f.allocator.verify();
+  void* again = f.allocator.allocate(256 << 20);
+  CHECK(again == cached);
+  f.allocator.deallocate(again, 256 << 20);
+  f.allocator.deallocate(held, 64 << 20);
+}
+
 TEST_CASE_TEMPLATE("allocator conformance: misuse is caught with a message naming which, and changes nothing",
                    F, GLAKE_ALLOCATOR_FIXTURES) {
   F f;

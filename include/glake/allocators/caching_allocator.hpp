@@ -241,6 +241,9 @@ class caching_allocator {
   block_type* grow(std::size_t size, stream_ref stream) {
     const std::size_t granularity = source_.granularity();
     if (detail::round_up_overflows(size, granularity)) return nullptr;
+    if constexpr (requires { source_.capacity(); }) {
+      if (size > source_.capacity()) return nullptr;  // never fits: keep the cache
+    }
     if constexpr (extensible_segment_source<Source>) {
       // One segment per stream that grows at its end, so its last free block and the new pages
       // form one block (PyTorch's expandable segments).

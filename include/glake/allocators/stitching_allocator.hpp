@@ -304,6 +304,9 @@ class stitching_allocator {
   // serves the request wins; steps that only make room return null. The steps are template
   // arguments, so each is a direct call.
   void* allocate_large(const request& r) {
+    // More than the backend can ever hold: no step could serve it, and the later rungs would
+    // empty the caches for nothing.
+    if (r.size > pool_.backend().capacity()) return nullptr;
     return first_of<
         // What else is free for this request now.
         &self::reuse_cached_stitch, &self::adopt_one_block, &self::repair_cached_stitch,

@@ -64,9 +64,10 @@ class segment_pool {
   std::size_t chunk() const noexcept { return chunk_; }
 
   /// A new segment of `bytes` (whole chunks) on `stream`, as one free block; null when out of
-  /// memory. A backend failure propagates with nothing changed.
+  /// memory. A backend failure propagates with nothing changed. The limits are checked before
+  /// the handles are planned, so a hopeless request costs O(1) whatever its size.
   block_type* add_segment(std::size_t bytes, stream_ref stream) {
-    if (round_up_overflows(bytes, chunk_)) return nullptr;
+    if (round_up_overflows(bytes, chunk_) || !backend_.may_add(bytes)) return nullptr;
     segment* s = segments_.create();
     try {
       growth_.plan_handles(bytes, handle_sizes_);
