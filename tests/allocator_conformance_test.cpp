@@ -265,6 +265,9 @@ TEST_CASE_TEMPLATE("allocator conformance: misuse is caught with a message namin
     expect([&] { f.allocator.deallocate(large, 63 << 20); }, usage_error::kind::size_mismatch, "size");
     expect([&] { f.allocator.deallocate(small, 64 << 20); }, usage_error::kind::size_mismatch, "size");
     expect([&] { f.allocator.deallocate(large, 1000); }, usage_error::kind::size_mismatch, "size");
+    // Zero is a size like any other: the pointer is live, so the size is the mistake.
+    expect([&] { f.allocator.deallocate(small, 0); }, usage_error::kind::size_mismatch, "with size 0");
+    expect([&] { f.allocator.deallocate(large, 0); }, usage_error::kind::size_mismatch, "with size 0");
   }
   SUBCASE("double frees") {
     void* extra = f.allocator.allocate(2000);

@@ -158,7 +158,7 @@ class stitching_allocator {
   /// Backends without events need nothing of this. Throws usage_error for a pointer not live here.
   void record_stream(void* p, stream_ref stream) {
     std::lock_guard guard(lock_);
-    if (!owns_unlocked(p)) detail::throw_not_live(name, p, false);
+    if (!owns_unlocked(p)) detail::throw_record_stream_not_live(name, p);
     if constexpr (has_events) deferred_.record_use(p, stream);
   }
 
@@ -507,13 +507,14 @@ class stitching_allocator {
       if constexpr (stitches) stitcher_.release(*s);
       return;
     }
-    diagnose_bad_free(p, bytes, stream, s != nullptr);
+    diagnose_bad_free(p, bytes, s != nullptr);
   }
 
-  [[noreturn]] void diagnose_bad_free(void* p, std::size_t bytes, stream_ref stream, bool cached_stitch) {
-    // A small allocation freed with a large size: the small pool names the mismatch.
-    if (bytes > config_.small_limit && small_.deallocate_if_owned(p, bytes, stream)) {
-      throw std::logic_error("glake::stitching_allocator: unreachable");
+  [[noreturn]] void diagnose_bad_free(void* p, std::size_t bytes, bool cached_stitch) {
+    // A live small allocation freed with a size that routed it elsewhere (0, or above
+    // small_limit): the mistake is the size, not the pointer.
+    if (const std::size_t expected = small_.requested_of(p); expected != 0) {
+      detail::throw_size_mismatch(name, p, bytes, expected);
     }
     const block_type* c = pool_.arena().containing(reinterpret_cast<std::uintptr_t>(p));
     detail::throw_not_live(name, p, cached_stitch || (c != nullptr && c->free) || small_.inside_free_block(p));

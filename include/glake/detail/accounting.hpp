@@ -71,6 +71,12 @@ inline std::string pointer_text(const void* p) {
                         ", a pointer this allocator did not return");
 }
 
+[[noreturn]] inline void throw_record_stream_not_live(const char* allocator, const void* p) {
+  throw usage_error(usage_error::kind::foreign_pointer,
+                    std::string(allocator) + ": record_stream of " + pointer_text(p) +
+                        ", which is not a live allocation of this allocator");
+}
+
 [[noreturn]] inline void throw_size_mismatch(const char* allocator, const void* p, std::size_t given,
                                              std::size_t allocated) {
   throw usage_error(usage_error::kind::size_mismatch,
