@@ -155,8 +155,15 @@ class segment_pool {
                          format_bytes(granularity) + "), got " + format_bytes(chunk));
     }
     if (cfg.small_segment % chunk != 0) {
-      throw config_error("glake config: small_segment (" + format_bytes(cfg.small_segment) +
-                         ") must be a multiple of the chunk size (" + format_bytes(chunk) + ")");
+      // Name the setting to change: the one the user set, or the granularity that stands in
+      // for chunk_size 0.
+      if (cfg.chunk_size == 0) {
+        throw config_error("glake config: small_segment (" + format_bytes(cfg.small_segment) +
+                           ") must be a multiple of the backend's granularity (" + format_bytes(chunk) +
+                           "), the chunk size while chunk_size is 0");
+      }
+      throw config_error("glake config: chunk_size (" + format_bytes(chunk) + ") must divide small_segment (" +
+                         format_bytes(cfg.small_segment) + ")");
     }
     return chunk;
   }
