@@ -7,6 +7,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "glake/allocators/caching_allocator.hpp"
@@ -79,6 +80,18 @@ bool same_accounting(const statistics& a, const statistics& b) {
          a.reserved_bytes == b.reserved_bytes && a.allocations == b.allocations &&
          a.deallocations == b.deallocations;
 }
+
+// What live_report was told, by every part of the allocator destroyed.
+struct live_reports {
+  static inline std::vector<std::string> allocators;
+  static inline std::uint64_t allocations = 0, bytes = 0;
+  static void record(const char* allocator, std::uint64_t n, std::uint64_t b) noexcept {
+    allocators.emplace_back(allocator);
+    allocations += n;
+    bytes += b;
+  }
+  live_reports() { allocators.clear(), allocations = 0, bytes = 0; }
+};
 
 }  // namespace
 
@@ -288,6 +301,19 @@ TEST_CASE_TEMPLATE("allocator conformance: misuse is caught with a message namin
   f.allocator.verify();
 }
 
+TEST_CASE_TEMPLATE("allocator conformance: destroying an allocator with nothing live reports nothing", F,
+                   GLAKE_ALLOCATOR_FIXTURES) {
+  F f;
+  live_reports reports;
+  f.allocator.set_live_report(&live_reports::record);
+  for (std::size_t bytes : {std::size_t{1000}, std::size_t{20} << 20, std::size_t{600} << 20}) {
+    f.allocator.deallocate(f.allocator.allocate(bytes), bytes);  // freed, but still cached
+  }
+  f.holder.reset();
+  CHECK(reports.allocators.empty());
+  CHECK(f.device.physical_bytes() == 0);
+}
+
 TEST_CASE_TEMPLATE("allocator conformance: a stream reuses its own free blocks first", F, GLAKE_ALLOCATOR_FIXTURES) {
   F f;
   const stream_ref a{1}, b{2};
@@ -331,12 +357,20 @@ TEST_CASE_TEMPLATE("allocator conformance: release_cached gives every free byte 
 TEST_CASE_TEMPLATE("allocator conformance: destruction returns everything to the backend", F,
                    GLAKE_ALLOCATOR_FIXTURES) {
   F f;
+  live_reports reports;
+  CHECK(GLAKE_CHECKED == (detail::default_live_report == &print_live_report));  // stderr when checked
+  f.allocator.set_live_report(&live_reports::record);
   void* p = f.allocator.allocate(10 << 20);
   (void)f.allocator.allocate(1000);      // leaked on purpose: destruction must still clean up
   (void)f.allocator.allocate(20 << 20);  // likewise
   f.allocator.deallocate(p, 10 << 20);
   CHECK(f.device.physical_bytes() > 0);
   f.holder.reset();
+  // ... and say so: two allocations of 1000 B and 20 MiB, told once (a segregator's parts each
+  // tell their own; the stitching allocator's small pool is counted by the allocator).
+  CHECK(reports.allocations == 2);
+  CHECK(reports.bytes == 1000 + (20 << 20));
+  CHECK(reports.allocators.size() == (std::is_same_v<F, segregator_fixture> || std::is_same_v<F, segregator_stitching_fixture> ? 2 : 1));
   CHECK(f.device.physical_bytes() == 0);
   CHECK(f.device.live_handles() == 0);
   CHECK(f.device.live_mappings() == 0);

@@ -70,7 +70,11 @@ class caching_allocator {
   }
   caching_allocator(const caching_allocator&) = delete;
   caching_allocator& operator=(const caching_allocator&) = delete;
-  ~caching_allocator() { release_all_segments(); }
+  /// Gives every segment back, live blocks or not, and tells the live_report of live ones.
+  ~caching_allocator() {
+    detail::report_live(live_report_, "glake::caching_allocator", counters_.s);
+    release_all_segments();
+  }
 
   /// At least `bytes` bytes on `stream`, aligned to `round_to`. Zero bytes gives null.
   void* allocate(std::size_t bytes, stream_ref stream = default_stream) {
@@ -148,6 +152,8 @@ class caching_allocator {
 
   /// Every pointer returned is aligned to at least this.
   std::size_t alignment() const noexcept { return rules_.round_to; }
+  /// Who is told, at destruction, of allocations still live (null: nobody; see live_report).
+  void set_live_report(live_report report) noexcept { live_report_ = report; }
   const caching_rules& rules() const noexcept { return rules_; }
   Source& source() noexcept { return source_; }
 
@@ -391,6 +397,7 @@ class caching_allocator {
   typename Evict::template queue<segment> free_segments_;
   std::vector<std::pair<stream_ref, segment*>> stream_segments_;  // extensible sources only
   detail::usage_counters counters_;
+  live_report live_report_ = detail::default_live_report;
   [[no_unique_address]] mutable Lock lock_;
 };
 

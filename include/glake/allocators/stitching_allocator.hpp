@@ -122,10 +122,15 @@ class stitching_allocator {
         adoption_(max_candidates, max_reuse_probes),
         small_(borrowed_segment_source<small_lender>(small_lender{this}), small_rules(config_)) {
     pinned_.reserve(256);
+    small_.set_live_report(nullptr);  // its live blocks are this allocator's, reported here
   }
   stitching_allocator(const stitching_allocator&) = delete;
   stitching_allocator& operator=(const stitching_allocator&) = delete;
-  ~stitching_allocator() { release_everything(); }
+  /// Gives every segment back, live allocations or not, and tells the live_report of live ones.
+  ~stitching_allocator() {
+    release_everything();
+    detail::report_live(live_report_, name, counters_.s);
+  }
 
   /// At least `bytes` bytes on `stream`: aligned to `round_to` for small requests and to the
   /// chunk size for large ones. Zero bytes gives null.
@@ -227,6 +232,8 @@ class stitching_allocator {
 
   /// Every pointer returned is aligned to at least this.
   std::size_t alignment() const noexcept { return config_.round_to; }
+  /// Who is told, at destruction, of allocations still live (null: nobody; see live_report).
+  void set_live_report(live_report report) noexcept { live_report_ = report; }
   const config& settings() const noexcept { return config_; }
   std::size_t chunk_size() const noexcept { return pool_.chunk(); }
   /// The backend's provider and reserver (e.g. to read a simulated device's counters).
@@ -598,6 +605,7 @@ class stitching_allocator {
   adoption_type adoption_;
   small_pool small_;
   std::vector<segment*> pinned_;  // scratch: segments a live stitch keeps from release (bounded)
+  live_report live_report_ = detail::default_live_report;
   [[no_unique_address]] mutable Lock lock_;
 };
 

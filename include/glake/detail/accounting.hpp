@@ -54,6 +54,15 @@ struct usage_counters {
   }
 };
 
+/// What an allocator's live_report starts as: stderr in checked builds, silence otherwise.
+inline constexpr live_report default_live_report = GLAKE_CHECKED ? &print_live_report : nullptr;
+
+/// From a destructor: tells `report` of the allocations `s` counts as still live, if any.
+inline void report_live(live_report report, const char* allocator, const statistics& s) noexcept {
+  const std::uint64_t live = s.allocations - s.deallocations;
+  if (report != nullptr && live != 0) report(allocator, live, s.active_bytes);
+}
+
 inline std::string pointer_text(const void* p) {
   char buffer[32];
   std::snprintf(buffer, sizeof buffer, "%p", p);
