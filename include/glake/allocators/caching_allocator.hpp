@@ -27,7 +27,8 @@ namespace glake {
 /// The defaults are PyTorch's small-pool rules generalised: 512 B rounding, segments of at
 /// least 2 MiB, split whenever the remainder is at least one rounding unit.
 struct caching_rules {
-  std::size_t round_to = 512;              ///< requests rounded up to a multiple (a power of two)
+  std::size_t round_to = 512;              ///< requests rounded up to a multiple (a power of two),
+                                           ///< pointers aligned to it (CUDA code wants >= 256)
   std::size_t min_segment = 2 << 20;       ///< requests below `segment_threshold` get a segment
                                            ///< this large
   std::size_t segment_threshold = 1 << 20; ///< requests at or above it get a segment of their own
