@@ -7,6 +7,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "glake/allocators/caching_allocator.hpp"
@@ -79,6 +80,18 @@ bool same_accounting(const statistics& a, const statistics& b) {
          a.reserved_bytes == b.reserved_bytes && a.allocations == b.allocations &&
          a.deallocations == b.deallocations;
 }
+
+// What live_report was told, by every part of the allocator destroyed.
+struct live_reports {
+  static inline std::vector<std::string> allocators;
+  static inline std::uint64_t allocations = 0, bytes = 0;
+  static void record(const char* allocator, std::uint64_t n, std::uint64_t b) noexcept {
+    allocators.emplace_back(allocator);
+    allocations += n;
+    bytes += b;
+  }
+  live_reports() { allocators.clear(), allocations = 0, bytes = 0; }
+};
 
 }  // namespace
 
@@ -202,6 +215,40 @@ TEST_CASE_TEMPLATE("allocator conformance: out of memory throws a bad_alloc that
   f.allocator.verify();
 }
 
+// Sizes no backend can hold, up to SIZE_MAX (where rounding would wrap to a small size). Each is
+// refused before any work proportional to it: the timeout only keeps a regression from hanging
+// the suite (one such request used to plan a handle per chunk: seconds and gigabytes).
+inline constexpr std::size_t hopeless_sizes[] = {
+    std::size_t{1} << 40, std::size_t{1} << 50, std::size_t{1} << 62, (std::size_t{1} << 63) + 1,
+    ~std::size_t{0} - (std::size_t{1} << 20), ~std::size_t{0} - 1, ~std::size_t{0}};
+
+TEST_CASE_TEMPLATE("allocator conformance: any size up to SIZE_MAX fails at once, counted, keeping the cache" *
+                       doctest::timeout(30),
+                   F, GLAKE_ALLOCATOR_FIXTURES) {
+  F f;
+  void* held = f.allocator.allocate(64 << 20);
+  void* cached = f.allocator.allocate(256 << 20);
+  f.allocator.deallocate(cached, 256 << 20);  // free, cached: a hopeless request must not drop it
+  const statistics before = f.allocator.stats();
+  std::uint64_t failed = before.failed_allocations;
+  for (std::size_t bytes : hopeless_sizes) {
+    CAPTURE(bytes);
+    CHECK(f.allocator.try_allocate(bytes) == nullptr);
+    CHECK(f.allocator.stats().failed_allocations == ++failed);
+    CHECK_THROWS_AS((void)f.allocator.allocate(bytes), out_of_memory);
+    CHECK(f.allocator.stats().failed_allocations == ++failed);
+  }
+  const statistics after = f.allocator.stats();
+  CHECK(same_accounting(before, after));
+  CHECK(after.driver_calls == before.driver_calls);  // not one handle created for them
+  CHECK(f.device.violations() == 0);
+  f.allocator.verify();
+  void* again = f.allocator.allocate(256 << 20);
+  CHECK(again == cached);
+  f.allocator.deallocate(again, 256 << 20);
+  f.allocator.deallocate(held, 64 << 20);
+}
+
 TEST_CASE_TEMPLATE("allocator conformance: misuse is caught with a message naming which, and changes nothing",
                    F, GLAKE_ALLOCATOR_FIXTURES) {
   F f;
@@ -231,6 +278,9 @@ TEST_CASE_TEMPLATE("allocator conformance: misuse is caught with a message namin
     expect([&] { f.allocator.deallocate(large, 63 << 20); }, usage_error::kind::size_mismatch, "size");
     expect([&] { f.allocator.deallocate(small, 64 << 20); }, usage_error::kind::size_mismatch, "size");
     expect([&] { f.allocator.deallocate(large, 1000); }, usage_error::kind::size_mismatch, "size");
+    // Zero is a size like any other: the pointer is live, so the size is the mistake.
+    expect([&] { f.allocator.deallocate(small, 0); }, usage_error::kind::size_mismatch, "with size 0");
+    expect([&] { f.allocator.deallocate(large, 0); }, usage_error::kind::size_mismatch, "with size 0");
   }
   SUBCASE("double frees") {
     void* extra = f.allocator.allocate(2000);
@@ -249,6 +299,19 @@ TEST_CASE_TEMPLATE("allocator conformance: misuse is caught with a message namin
   f.allocator.deallocate(small, 1000);
   f.allocator.deallocate(large, 64 << 20);
   f.allocator.verify();
+}
+
+TEST_CASE_TEMPLATE("allocator conformance: destroying an allocator with nothing live reports nothing", F,
+                   GLAKE_ALLOCATOR_FIXTURES) {
+  F f;
+  live_reports reports;
+  f.allocator.set_live_report(&live_reports::record);
+  for (std::size_t bytes : {std::size_t{1000}, std::size_t{20} << 20, std::size_t{600} << 20}) {
+    f.allocator.deallocate(f.allocator.allocate(bytes), bytes);  // freed, but still cached
+  }
+  f.holder.reset();
+  CHECK(reports.allocators.empty());
+  CHECK(f.device.physical_bytes() == 0);
 }
 
 TEST_CASE_TEMPLATE("allocator conformance: a stream reuses its own free blocks first", F, GLAKE_ALLOCATOR_FIXTURES) {
@@ -294,12 +357,20 @@ TEST_CASE_TEMPLATE("allocator conformance: release_cached gives every free byte 
 TEST_CASE_TEMPLATE("allocator conformance: destruction returns everything to the backend", F,
                    GLAKE_ALLOCATOR_FIXTURES) {
   F f;
+  live_reports reports;
+  CHECK(GLAKE_CHECKED == (detail::default_live_report == &print_live_report));  // stderr when checked
+  f.allocator.set_live_report(&live_reports::record);
   void* p = f.allocator.allocate(10 << 20);
   (void)f.allocator.allocate(1000);      // leaked on purpose: destruction must still clean up
   (void)f.allocator.allocate(20 << 20);  // likewise
   f.allocator.deallocate(p, 10 << 20);
   CHECK(f.device.physical_bytes() > 0);
   f.holder.reset();
+  // ... and say so: two allocations of 1000 B and 20 MiB, told once (a segregator's parts each
+  // tell their own; the stitching allocator's small pool is counted by the allocator).
+  CHECK(reports.allocations == 2);
+  CHECK(reports.bytes == 1000 + (20 << 20));
+  CHECK(reports.allocators.size() == (std::is_same_v<F, segregator_fixture> || std::is_same_v<F, segregator_stitching_fixture> ? 2 : 1));
   CHECK(f.device.physical_bytes() == 0);
   CHECK(f.device.live_handles() == 0);
   CHECK(f.device.live_mappings() == 0);

@@ -100,17 +100,25 @@ TEST_CASE("config: validate names the first broken rule and the value") {
       {"round_to zero", [](config& c) { c.round_to = 0; }, "round_to", "power of two"},
       {"round_to not a power of two", [](config& c) { c.round_to = 768; }, "round_to", "(got 768)"},
       {"round_to above 2 MiB", [](config& c) { c.round_to = 4 * MiB; }, "round_to", "power of two"},
+      {"round_to below 256", [](config& c) { c.round_to = 128; }, "round_to", "from 256 to 2097152"},
+      {"round_to 1", [](config& c) { c.round_to = 1; }, "round_to", "256-byte aligned"},
       {"small_segment zero", [](config& c) { c.small_segment = 0; }, "small_segment",
        "must be > 0"},
-      {"small_segment not a multiple of round_to",
-       [](config& c) { c.small_segment = 2 * MiB + 256; }, "small_segment",
+      {"small_segment not a power of two", [](config& c) { c.small_segment = 3 * MiB; }, "small_segment",
+       "must be a power of two, a whole number of chunks (got 3145728)"},
+      {"small_segment below round_to",
+       [](config& c) { c.small_segment = 256; }, "small_segment",
        "multiple of round_to = 512"},
       {"small_limit below round_to", [](config& c) { c.small_limit = 256; }, "small_limit",
        ">= round_to = 512 (got 256)"},
       {"small_limit above small_segment", [](config& c) { c.small_limit = 4 * MiB; }, "small_limit",
        "must be <= small_segment = 2097152"},
       {"chunk_size not a page multiple", [](config& c) { c.chunk_size = 1000; }, "chunk_size",
-       "multiple of 4096 (got 1000)"},
+       "power of two from 4096 (got 1000)"},
+      {"chunk_size not a power of two", [](config& c) { c.chunk_size = 6 * MiB; }, "chunk_size",
+       "power of two from 4096 (got 6291456)"},
+      {"chunk_size above small_segment", [](config& c) { c.chunk_size = 4 * MiB; }, "chunk_size",
+       "must be at most small_segment = 2097152"},
       {"max_handle not a page multiple", [](config& c) { c.max_handle = 5000; }, "max_handle",
        "multiple of 4096 (got 5000)"},
       {"min_handles zero", [](config& c) { c.min_handles = 0; }, "min_handles", "must be >= 1 (got 0)"},
@@ -154,12 +162,12 @@ TEST_CASE("config: validate accepts every boundary value") {
   c.small_limit = c.small_segment;
   CHECK_NOTHROW(c.validate());
 
-  config byte_rounding;
-  byte_rounding.round_to = 1;
-  byte_rounding.small_limit = 1;
-  byte_rounding.small_segment = 3;  // any size is a multiple of 1
-  byte_rounding.memory_limit = 0;
-  CHECK_NOTHROW(byte_rounding.validate());
+  config finest_rounding;
+  finest_rounding.round_to = 256;
+  finest_rounding.small_limit = 256;
+  finest_rounding.small_segment = 256;
+  finest_rounding.memory_limit = 0;
+  CHECK_NOTHROW(finest_rounding.validate());
 
   config page_rounding;
   page_rounding.round_to = 2 * MiB;
@@ -333,7 +341,7 @@ TEST_CASE("config: to_string parses back to an equal config") {
   c.auto_gc = 3 * GiB + 4 * KiB;
   c.grow_stitch = true;
   c.small_limit = 3 * MiB;
-  c.small_segment = 6 * MiB;
+  c.small_segment = 8 * MiB;
   c.round_to = 2 * KiB;
   c.chunk_size = 2 * MiB;
   c.memory_limit = (std::size_t{5} << 40) + 4096;
@@ -435,7 +443,61 @@ TEST_CASE("config: from_env range errors name the variable that set the value") 
   CHECK(contains(env_error({{"defragLevel", "1"}, {"GLAKE_ALLOC_CONF", "defrag_level:4"}}),
                  "(got 4) (set by GLAKE_ALLOC_CONF)"));
   CHECK(contains(env_error({{"GLAKE_ALLOC_CONF", "chunk_size:100"}}),
-                 "chunk_size must be 0 or a multiple of 4096"));
+                 "chunk_size must be 0 (the backend's granularity) or a power of two from 4096"));
+}
+
+TEST_CASE("config: chunk_size and small_segment are refused when parsed, naming the key and the variable") {
+  // Both used to pass from_env and fail later in the allocator's constructor, which cannot say
+  // where the value came from.
+  CHECK(contains(env_error({{"GLAKE_ALLOC_CONF", "chunk_size:3MiB"}}),
+                 "glake config: chunk_size must be 0 (the backend's granularity) or a power of two from 4096 "
+                 "(got 3145728) (set by GLAKE_ALLOC_CONF)"));
+  CHECK(contains(env_error({{"GLAKE_ALLOC_CONF", "small_segment:3MiB"}}),
+                 "glake config: small_segment must be a power of two, a whole number of chunks (got 3145728) "
+                 "(set by GLAKE_ALLOC_CONF)"));
+  // 6 MiB was blamed on small_segment, which nobody had set.
+  const auto six = env_error({{"GLAKE_ALLOC_CONF", "chunk_size:6MiB"}});
+  CHECK(contains(six, "glake config: chunk_size must be"));
+  CHECK_FALSE(contains(six, "small_segment must"));
+  CHECK(contains(env_error({{"GLAKE_ALLOC_CONF", "chunk_size:4MiB"}}),
+                 "glake config: chunk_size must be at most small_segment = 2097152, since the small pool "
+                 "borrows whole chunks (got 4194304); raise small_segment with it (set by GLAKE_ALLOC_CONF)"));
+  CHECK(from({{"GLAKE_ALLOC_CONF", "chunk_size:4MiB,small_segment:4MiB"}}).chunk_size == 4 * MiB);
+  // chunk_size from the embedder's base, small_segment from the variable: the variable is named.
+  config base;
+  base.chunk_size = 4 * MiB;
+  base.small_segment = 4 * MiB;
+  const auto variable = [](const char* name) -> const char* {
+    return std::string_view(name) == "GLAKE_ALLOC_CONF" ? "small_segment:2MiB" : nullptr;
+  };
+  CHECK_THROWS_WITH_AS(config::from_env(variable, base),
+                       doctest::Contains("(small_segment set by GLAKE_ALLOC_CONF)"), config_error);
+  // The same words from code, without a variable to name.
+  config c;
+  c.chunk_size = 3 * MiB;
+  CHECK(contains(config_error_of([&] { c.validate(); }), "chunk_size must be"));
+}
+
+TEST_CASE("config: values echoed in errors are cut to 64 characters and their control characters escaped") {
+  const std::string garbage(MiB, 'x');
+  const std::string text = "frag_limit:" + garbage;
+  const auto message = apply_error(text.c_str());
+  CAPTURE(message.substr(0, 200));
+  CHECK(message.size() < 300);
+  CHECK(contains(message, "frag_limit='" + std::string(64, 'x') + "...' is not a byte count"));
+
+  const auto key = apply_error(("k" + garbage + ":1").c_str());
+  CHECK(key.size() < 500);  // the valid keys are listed after it
+  CHECK(contains(key, "unknown key 'k" + std::string(63, 'x') + "...'"));
+  CHECK(apply_error(garbage.c_str()).size() < 300);  // an entry without ':'
+
+  const auto forged = env_error({{"GLAKE_ALLOC_CONF", "frag_limit:1\nglake: all is well\x1b[0m\x7f"}});
+  CAPTURE(forged);
+  CHECK_FALSE(contains(forged, "\n"));
+  CHECK_FALSE(contains(forged, "\x1b"));
+  CHECK(contains(forged, "frag_limit='1\\nglake: all is well\\x1b[0m\\x7f' is not a byte count"));
+  const auto gmlake = env_error({{"fragLimit", "1\t" + std::string(100, '9')}});
+  CHECK(contains(gmlake, "fragLimit='1\\t" + std::string(62, '9') + "...' is not a byte count"));
 }
 
 TEST_CASE("config: small_limit 0 means no small pool and is valid") {

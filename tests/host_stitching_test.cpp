@@ -124,3 +124,33 @@ TEST_CASE("host stitching: data in live allocations survives random splits, stit
   allocator.release_cached();
   CHECK(provider.created_bytes() == 0);
 }
+
+TEST_CASE("host stitching: any size up to SIZE_MAX fails at once, under a capacity, a limit or neither" *
+          doctest::timeout(30)) {
+  const std::size_t hopeless[] = {std::size_t{1} << 40, std::size_t{1} << 50, std::size_t{1} << 62,
+                                  ~std::size_t{0} - 1, ~std::size_t{0}};
+  const auto refuses = [](host_stitching& allocator, std::size_t bytes) {
+    CAPTURE(bytes);
+    const std::uint64_t failed = allocator.stats().failed_allocations;
+    CHECK(allocator.try_allocate(bytes) == nullptr);
+    CHECK_THROWS_AS((void)allocator.allocate(bytes), out_of_memory);
+    CHECK(allocator.stats().failed_allocations == failed + 2);
+    CHECK(allocator.stats().driver_calls.total() == 0);
+  };
+  SUBCASE("the provider's capacity") {
+    host_stitching allocator(host_provider(2 * M, 64 * M), host_reserver(2 * M));
+    for (std::size_t bytes : hopeless) refuses(allocator, bytes);
+    refuses(allocator, 64 * M + 1);
+  }
+  SUBCASE("the memory limit") {
+    config cfg;
+    cfg.memory_limit = 64 * M;
+    host_stitching allocator(host_provider(2 * M), host_reserver(2 * M), cfg);
+    for (std::size_t bytes : hopeless) refuses(allocator, bytes);
+    refuses(allocator, 64 * M + 1);
+  }
+  SUBCASE("neither: the address space bounds any request") {
+    host_stitching allocator(host_provider(2 * M), host_reserver(2 * M));
+    for (std::size_t bytes : {std::size_t{1} << 62, ~std::size_t{0} - 1, ~std::size_t{0}}) refuses(allocator, bytes);
+  }
+}

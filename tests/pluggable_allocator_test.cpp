@@ -145,6 +145,26 @@ TEST_CASE("pluggable_allocator: out of memory is null with one line, or rethrown
   std::fclose(log);
 }
 
+TEST_CASE("pluggable_allocator: any size up to SIZE_MAX is null at once, counted" * doctest::timeout(30)) {
+  sim_devices sim;
+  std::FILE* log = std::tmpfile();
+  REQUIRE(log != nullptr);
+  using plugin_type = pluggable_allocator<sim_stitching>;
+  plugin_type plugin(sim.factory(), options_for<plugin_type>(log));
+  const std::size_t sizes[] = {16 * GiB + 1, std::size_t{1} << 50, std::size_t{1} << 62, ~std::size_t{0} - 1,
+                               ~std::size_t{0}};
+  for (std::size_t bytes : sizes) {
+    CAPTURE(bytes);
+    CHECK(plugin.allocate(bytes, 0, stream_ref{7}) == nullptr);
+    CHECK_THROWS_AS((void)plugin.allocate_or_throw(bytes, 0, stream_ref{7}), out_of_memory);
+  }
+  const auto s = stats_of(plugin, 0);
+  CHECK(s.at("failed_allocations") == 2 * std::size(sizes));
+  CHECK(s.at("driver_create") == 0);
+  CHECK(lines_of(log).size() == 2 * std::size(sizes));
+  std::fclose(log);
+}
+
 TEST_CASE("pluggable_allocator: bad frees and record_streams are logged and counted, and change nothing") {
   sim_devices sim;
   std::FILE* log = std::tmpfile();

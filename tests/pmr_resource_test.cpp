@@ -57,3 +57,18 @@ TEST_CASE("pmr_resource: zero bytes, alignment, identity and errors") {
   CHECK(resource.stream() == stream_ref{3});
   CHECK(allocator.stats().active_bytes == 0);
 }
+
+TEST_CASE("pmr_resource: any size up to SIZE_MAX is a bad_alloc at once, counted" * doctest::timeout(30)) {
+  sim_device device(1 * GiB);
+  stitching_allocator<sim_provider, sim_reserver> allocator(sim_provider{device}, sim_reserver{device});
+  pmr_resource resource(allocator);
+  std::pmr::memory_resource& r = resource;
+  const std::size_t sizes[] = {GiB + 1, std::size_t{1} << 50, std::size_t{1} << 62, ~std::size_t{0} - 1,
+                               ~std::size_t{0}};
+  for (std::size_t bytes : sizes) {
+    CAPTURE(bytes);
+    CHECK_THROWS_AS((void)r.allocate(bytes), out_of_memory);
+  }
+  CHECK(allocator.stats().failed_allocations == std::size(sizes));
+  CHECK(allocator.stats().driver_calls.total() == 0);
+}

@@ -216,8 +216,20 @@ TEST_CASE("segment pool: the chunk must be a multiple of the granularity, and sm
     pool_type pool(sim_provider{device}, sim_reserver{device}, cfg, counters);
     FAIL("expected a config_error");
   } catch (const config_error& e) {
-    CHECK(std::string(e.what()).find("small_segment") != std::string::npos);
+    // The setting changed is named first: chunk_size, not the small_segment it was set against.
+    CHECK(std::string(e.what()).find("chunk_size (") != std::string::npos);
+    CHECK(std::string(e.what()).find("must divide small_segment") != std::string::npos);
   }
+  cfg.chunk_size = 0;
+  cfg.small_segment = 1 * M;  // below the 2 MiB granularity that chunk_size 0 stands for
+  try {
+    pool_type pool(sim_provider{device}, sim_reserver{device}, cfg, counters);
+    FAIL("expected a config_error");
+  } catch (const config_error& e) {
+    CHECK(std::string(e.what()).find("small_segment (") != std::string::npos);
+    CHECK(std::string(e.what()).find("granularity") != std::string::npos);
+  }
+  cfg.chunk_size = 4 * M;
   cfg.small_segment = 8 * M;
   pool_type pool(sim_provider{device}, sim_reserver{device}, cfg, counters);
   CHECK(pool.chunk() == 4 * M);

@@ -37,6 +37,7 @@ struct fragmented {
   std::uint64_t handles[4];
   template <class A>
   fragmented(A& allocator, const sim_device& device) {
+    allocator.set_live_report(nullptr);  // blocks 1 and 3 stay live to the end, on purpose
     for (int i = 0; i < 4; ++i) {
       blocks[i] = allocator.allocate(100 * M);
       handles[i] = handle_at(device, blocks[i]);
@@ -813,4 +814,50 @@ TEST_CASE("stitching: blocks split below the chunk give stitches only their whol
   for (auto [ptr, size] : {std::pair{p, 4 * M}, {q, 2 * M}, {b, 1 * M}, {d, 1 * M}}) allocator.deallocate(ptr, size);
   allocator.verify();
   CHECK(allocator.stats().active_bytes == 0);
+
+TEST_CASE("stitching: a request above the memory limit fails before any work proportional to it" *
+          doctest::timeout(30)) {
+  // A device far larger than the limit, so that only the limit stands in the way; GMLake's
+  // growth (one handle per chunk) and glake's grow_stitch are the paths that plan the most.
+  sim_device device(std::size_t{1} << 52);
+  config cfg = stitch_everything();
+  cfg.memory_limit = 1 * GiB;
+  cfg.grow_stitch = true;
+  using gmlake_stitching = stitching_allocator<sim_provider, sim_reserver, best_fit_tail_stitching, lru_eviction,
+                                               no_lock, gmlake_admission, chunk_growth>;
+  sim_stitching ours(sim_provider{device}, sim_reserver{device}, cfg);
+  gmlake_stitching theirs(sim_provider{device}, sim_reserver{device}, cfg);
+  const auto check_refuses = [&](auto& allocator) {
+    void* held = allocator.allocate(300 * M);
+    void* cached = allocator.allocate(500 * M);
+    allocator.deallocate(cached, 500 * M);
+    const statistics before = allocator.stats();
+    std::uint64_t failed = before.failed_allocations;
+    for (std::size_t bytes : {GiB + 1, GiB + 2 * M, 2 * GiB, std::size_t{1} << 40, std::size_t{1} << 50,
+                              std::size_t{1} << 62, ~std::size_t{0} - 1, ~std::size_t{0}}) {
+      CAPTURE(bytes);
+      CHECK(allocator.try_allocate(bytes) == nullptr);
+      CHECK(allocator.stats().failed_allocations == ++failed);
+      try {
+        (void)allocator.allocate(bytes);
+        FAIL("allocate above the memory limit returned");
+      } catch (const out_of_memory& e) {
+        CHECK(e.requested_bytes() == bytes);
+        CHECK(std::string(e.what()).find("memory limit 1.00 GiB") != std::string::npos);
+      }
+      CHECK(allocator.stats().failed_allocations == ++failed);
+    }
+    const statistics after = allocator.stats();
+    CHECK(after.driver_calls == before.driver_calls);
+    CHECK(after.reserved_bytes == before.reserved_bytes);  // the cache was not emptied for them
+    allocator.verify();
+    // What fits under the limit still fits: the 500 MiB block cached and 200 MiB more.
+    void* fits = allocator.allocate(700 * M);
+    CHECK(fits != nullptr);
+    allocator.deallocate(fits, 700 * M);
+    allocator.deallocate(held, 300 * M);
+  };
+  check_refuses(ours);
+  check_refuses(theirs);
+  CHECK(device.violations() == 0);
 }

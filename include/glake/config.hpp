@@ -1,6 +1,7 @@
 // Settings of glake's allocators, from code, GMLake's environment variables or GLAKE_ALLOC_CONF.
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <charconv>
 #include <cmath>
@@ -43,16 +44,22 @@ struct config {
 
   // --- glake's own ---
   std::size_t small_limit = 1 * MiB;     ///< requests up to this go to the small pool; 0: none
-  std::size_t small_segment = 2 * MiB;   ///< the unit the small pool takes from the large pool
-  std::size_t round_to = 512;            ///< every request is rounded up to a multiple of this
+  std::size_t small_segment = 2 * MiB;   ///< the unit the small pool takes from the large pool:
+                                         ///< a power of two, at least chunk_size (whole chunks)
+  std::size_t round_to = 512;            ///< every request is rounded up to a multiple of this,
+                                         ///< and every pointer is aligned to it: a power of two
+                                         ///< from 256 (CUDA code assumes 256-byte aligned
+                                         ///< pointers; PyTorch rounds to 512) to 2 MiB
   std::size_t large_round_to = 512;      ///< requests above small_limit are rounded up to a multiple
                                          ///< of this and blocks split there (as PyTorch's large
                                          ///< pool), at least round_to, at most chunk_size;
                                          ///< stitches still map whole handles. 0 means
                                          ///< chunk_size (GMLake's rounding: up to a chunk lost
                                          ///< per block)
-  std::size_t chunk_size = 0;            ///< unit of blocks and of the smallest physical handle;
-                                         ///< 0 means the provider's granularity
+  std::size_t chunk_size = 0;            ///< unit of blocks and of the smallest physical handle:
+                                         ///< 0 means the provider's granularity, else a power
+                                         ///< of two from 4 KiB (so that any power-of-two
+                                         ///< granularity up to it divides it)
   std::size_t max_handle = 0;            ///< new memory comes in handles of chunk_size x 2^k up
                                          ///< to this (fewer driver calls); 0 means chunk_size only
   int min_handles = 8;                   ///< ... and none above 1/min_handles of its segment:
@@ -261,8 +268,33 @@ inline parse_status parse_size(std::string_view text, std::size_t& out) {
   return parse_status::ok;
 }
 
+/// Text from the environment as an error message shows it: control characters escaped (\n,
+/// \t, \r, else \xNN) and at most the first 64 characters, then "...", so that a garbage
+/// value cannot flood a log or forge lines in it.
+inline std::string echoed(std::string_view text) {
+  constexpr std::size_t most = 64;
+  std::string out;
+  for (std::size_t i = 0; i < text.size() && i < most; ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (c == '\r') {
+      out += "\\r";
+    } else if (c < 0x20 || c == 0x7f) {
+      constexpr char hex[] = "0123456789abcdef";
+      out.append("\\x").append(1, hex[c >> 4]).append(1, hex[c & 15]);
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  if (text.size() > most) out += "...";
+  return out;
+}
+
 inline std::string quoted_setting(std::string_view key, std::string_view value) {
-  return std::string(key).append("='").append(value).append("'");
+  return std::string(key).append("='").append(echoed(value)).append("'");
 }
 
 inline void parse_setting(std::string_view key, std::string_view value, bool& out) {
@@ -339,7 +371,7 @@ inline std::size_t apply_config_text(config& c, std::string_view text,
     if (const auto entry = trim(text.substr(0, comma)); !entry.empty()) {
       const auto colon = entry.find(':');
       if (colon == std::string_view::npos) {
-        config_fail("'" + std::string(entry) + "' has no ':' (expected key:value)");
+        config_fail("'" + echoed(entry) + "' has no ':' (expected key:value)");
       }
       const auto key = trim(entry.substr(0, colon));
       const auto value = trim(entry.substr(colon + 1));
@@ -347,7 +379,7 @@ inline std::size_t apply_config_text(config& c, std::string_view text,
       for_each_config_field(c, [&](std::string_view name, auto& field) {
         if (name != key) return;
         field_name = name;
-        if (value.empty()) config_fail(std::string(key) + " has an empty value");
+        if (value.empty()) config_fail(echoed(key) + " has an empty value");
         parse_setting(key, value, field);
       });
       if (field_name.empty()) {
@@ -355,7 +387,7 @@ inline std::size_t apply_config_text(config& c, std::string_view text,
         for_each_config_field(c, [&](std::string_view name, const auto&) {
           valid.append(valid.empty() ? "" : ", ").append(name);
         });
-        config_fail("unknown key '" + std::string(key) + "' (valid keys: " + valid + ")");
+        config_fail("unknown key '" + echoed(key) + "' (valid keys: " + valid + ")");
       }
       if (seen != nullptr) seen->push_back(field_name);
       ++applied;
@@ -368,6 +400,7 @@ inline std::size_t apply_config_text(config& c, std::string_view text,
 struct config_issue {
   std::string_view setting;
   std::string message;
+  std::string_view related = {};  ///< a second setting the rule ties `setting` to, if any
 };
 
 /// The first broken rule. round_to is checked before the sizes that refer to it, so the
@@ -392,14 +425,21 @@ inline std::optional<config_issue> find_config_issue(const config& c) {
     return issue("defrag_level", "must be 0, 1 or 2" + got(c.defrag_level));
   }
   if (c.auto_gc == 0) return issue("auto_gc", "must be > 0 (got 0)");
-  if (!std::has_single_bit(c.round_to) || c.round_to > 2 * MiB) {
-    return issue("round_to", "must be a power of two from 1 to 2097152 (2 MiB) (got " +
+  if (!std::has_single_bit(c.round_to) || c.round_to < 256 || c.round_to > 2 * MiB) {
+    return issue("round_to", "must be a power of two from 256 to 2097152 (2 MiB), so that every "
+                             "pointer is 256-byte aligned as CUDA code assumes (got " +
                                  bytes(c.round_to) + ")");
   }
   if (c.large_round_to != 0 && !std::has_single_bit(c.large_round_to)) {
     return issue("large_round_to", "must be 0 (the chunk size) or a power of two (got " + bytes(c.large_round_to) + ")");
   }
   if (c.small_segment == 0) return issue("small_segment", "must be > 0 (got 0)");
+  // Powers of two, so that whole chunks of any power-of-two granularity up to them tile them:
+  // then the allocator's constructor, which knows the granularity, rarely has to refuse them.
+  if (!std::has_single_bit(c.small_segment)) {
+    return issue("small_segment", "must be a power of two, a whole number of chunks (got " +
+                                      bytes(c.small_segment) + ")");
+  }
   if (c.small_segment % c.round_to != 0) {
     return issue("small_segment", "must be a multiple of round_to = " + bytes(c.round_to) +
                                       " (got " + bytes(c.small_segment) + ")");
@@ -414,8 +454,16 @@ inline std::optional<config_issue> find_config_issue(const config& c) {
   }
   // Only the page-size floor is checked here: the allocator compares chunk_size with the
   // provider's real granularity, which a config cannot know.
-  if (c.chunk_size % (4 * KiB) != 0) {
-    return issue("chunk_size", "must be 0 or a multiple of 4096 (got " + bytes(c.chunk_size) + ")");
+  if (c.chunk_size != 0 && (!std::has_single_bit(c.chunk_size) || c.chunk_size < 4 * KiB)) {
+    return issue("chunk_size", "must be 0 (the backend's granularity) or a power of two from 4096 (got " +
+                                   bytes(c.chunk_size) + ")");
+  }
+  if (c.chunk_size > c.small_segment) {
+    auto found = issue("chunk_size", "must be at most small_segment = " + bytes(c.small_segment) +
+                                         ", since the small pool borrows whole chunks (got " +
+                                         bytes(c.chunk_size) + "); raise small_segment with it");
+    found.related = "small_segment";
+    return found;
   }
   if (c.max_handle % (4 * KiB) != 0) {
     return issue("max_handle", "must be 0 or a multiple of 4096 (got " + bytes(c.max_handle) + ")");
@@ -473,7 +521,7 @@ config config::from_env(Getenv getenv, const config& base) {
     return std::string(text);
   };
   const auto describe = [](const char* name, const std::string& value) {
-    return std::string("environment variable ") + name + "='" + value + "'";
+    return std::string("environment variable ") + name + "='" + detail::echoed(value) + "'";
   };
   const auto fail = [&](const char* name, const std::string& value, std::string_view why) {
     detail::config_fail(describe(name, value).append(" ").append(why));
@@ -532,11 +580,19 @@ config config::from_env(Getenv getenv, const config& base) {
 
   // Validated once at the end, so GLAKE_ALLOC_CONF can correct a GMLake variable.
   if (auto issue = detail::find_config_issue(c)) {
-    for (auto source = sources.rbegin(); source != sources.rend(); ++source) {
-      if (source->first == issue->setting) {
-        issue->message.append(" (set by ").append(source->second).append(")");
-        break;
-      }
+    // The variable that set the setting blamed; failing that, the one that set the setting it
+    // is tied to (chunk_size:4MiB breaks only against small_segment's default, and the reverse).
+    for (const std::string_view setting : {issue->setting, issue->related}) {
+      if (setting.empty()) continue;
+      const auto source = std::find_if(sources.rbegin(), sources.rend(),
+                                       [&](const auto& entry) { return entry.first == setting; });
+      if (source == sources.rend()) continue;
+      issue->message.append(" (")
+          .append(setting == issue->setting ? "" : std::string(setting).append(" "))
+          .append("set by ")
+          .append(source->second)
+          .append(")");
+      break;
     }
     throw config_error(issue->message);
   }

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <new>
 #include <stdexcept>
@@ -9,6 +10,21 @@
 #include <utility>
 
 namespace glake {
+
+/// How an allocator destroyed while allocations are still live says so (their memory goes back
+/// with it, so any pointer still held dangles): called once, from the destructor, with the
+/// allocator's name, the number of live allocations and their bytes. Each allocator has one
+/// (`set_live_report`); the default is print_live_report in checked builds (GLAKE_CHECKED) and
+/// null, silence, otherwise. A tool that tears allocators down with live blocks on purpose sets
+/// null. Must not throw.
+using live_report = void (*)(const char* allocator, std::uint64_t allocations, std::uint64_t bytes) noexcept;
+
+/// One line on stderr: "<allocator>: destroyed with N allocations still live (B bytes); ...".
+inline void print_live_report(const char* allocator, std::uint64_t allocations, std::uint64_t bytes) noexcept {
+  std::fprintf(stderr, "%s: destroyed with %llu allocation%s still live (%llu bytes); their memory goes with it\n",
+               allocator, static_cast<unsigned long long>(allocations), allocations == 1 ? "" : "s",
+               static_cast<unsigned long long>(bytes));
+}
 
 /// Thrown by `allocate` when a request cannot be met even after the allocator released what it
 /// caches. It is a `std::bad_alloc`, so code written for standard allocators handles it.

@@ -27,7 +27,8 @@ namespace glake {
 /// The defaults are PyTorch's small-pool rules generalised: 512 B rounding, segments of at
 /// least 2 MiB, split whenever the remainder is at least one rounding unit.
 struct caching_rules {
-  std::size_t round_to = 512;              ///< requests rounded up to a multiple (a power of two)
+  std::size_t round_to = 512;              ///< requests rounded up to a multiple (a power of two),
+                                           ///< pointers aligned to it (CUDA code wants >= 256)
   std::size_t min_segment = 2 << 20;       ///< requests below `segment_threshold` get a segment
                                            ///< this large
   std::size_t segment_threshold = 1 << 20; ///< requests at or above it get a segment of their own
@@ -70,7 +71,11 @@ class caching_allocator {
   }
   caching_allocator(const caching_allocator&) = delete;
   caching_allocator& operator=(const caching_allocator&) = delete;
-  ~caching_allocator() { release_all_segments(); }
+  /// Gives every segment back, live blocks or not, and tells the live_report of live ones.
+  ~caching_allocator() {
+    detail::report_live(live_report_, "glake::caching_allocator", counters_.s);
+    release_all_segments();
+  }
 
   /// At least `bytes` bytes on `stream`, aligned to `round_to`. Zero bytes gives null.
   void* allocate(std::size_t bytes, stream_ref stream = default_stream) {
@@ -148,6 +153,8 @@ class caching_allocator {
 
   /// Every pointer returned is aligned to at least this.
   std::size_t alignment() const noexcept { return rules_.round_to; }
+  /// Who is told, at destruction, of allocations still live (null: nobody; see live_report).
+  void set_live_report(live_report report) noexcept { live_report_ = report; }
   const caching_rules& rules() const noexcept { return rules_; }
   Source& source() noexcept { return source_; }
 
@@ -241,6 +248,9 @@ class caching_allocator {
   block_type* grow(std::size_t size, stream_ref stream) {
     const std::size_t granularity = source_.granularity();
     if (detail::round_up_overflows(size, granularity)) return nullptr;
+    if constexpr (requires { source_.capacity(); }) {
+      if (size > source_.capacity()) return nullptr;  // never fits: keep the cache
+    }
     if constexpr (extensible_segment_source<Source>) {
       // One segment per stream that grows at its end, so its last free block and the new pages
       // form one block (PyTorch's expandable segments).
@@ -388,6 +398,7 @@ class caching_allocator {
   typename Evict::template queue<segment> free_segments_;
   std::vector<std::pair<stream_ref, segment*>> stream_segments_;  // extensible sources only
   detail::usage_counters counters_;
+  live_report live_report_ = detail::default_live_report;
   [[no_unique_address]] mutable Lock lock_;
 };
 

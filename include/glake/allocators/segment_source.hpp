@@ -31,7 +31,9 @@ namespace glake {
 // | s.release(lease)               | void        | no             | gives the segment back
 //
 // Optional: `cs.calls()` returning driver_call_counts and `cs.call_times()` returning
-// driver_call_times, reported in the allocator's statistics.
+// driver_call_times, reported in the allocator's statistics; `cs.capacity()` returning the most
+// bytes its segments can ever hold together (no try_acquire or try_extend beyond it succeeds),
+// so that the allocator refuses a larger request at once instead of emptying its cache for it.
 // ---------------------------------------------------------------------------------------------
 template <class S>
 concept segment_source =
@@ -73,6 +75,7 @@ class vmm_segment_source {
   const driver_call_counts& calls() const noexcept { return backend_.calls(); }
   const driver_call_times& call_times() const noexcept { return backend_.call_times(); }
   std::size_t memory_limit() const noexcept { return backend_.memory_limit(); }
+  std::size_t capacity() const noexcept { return backend_.capacity(); }
 
  private:
   detail::vmm_backend<Provider, Reserver> backend_;
@@ -114,6 +117,16 @@ class expandable_segment_source {
 
   std::size_t granularity() const noexcept { return page_; }
   std::size_t memory_limit() const noexcept { return limit_; }
+  /// No segment maps more than virtual_size, nor all of them more than the limit or the
+  /// provider's capacity.
+  std::size_t capacity() const noexcept {
+    std::size_t most = virtual_size_;
+    if (limit_ != 0) most = std::min(most, limit_);
+    if constexpr (capacity_reporting_provider<Provider>) {
+      if (const std::size_t c = provider_.capacity(); c != 0) most = std::min(most, c);
+    }
+    return most;
+  }
   const driver_call_counts& calls() const noexcept { return meter_.counts(); }
   const driver_call_times& call_times() const noexcept { return meter_.times(); }
 
@@ -138,8 +151,9 @@ class expandable_segment_source {
   }
 
   bool try_extend(lease_type& lease, std::size_t bytes) {
-    if (bytes % page_ != 0 || lease.size + bytes > lease.reserved) return false;
-    if (limit_ != 0 && physical_ + bytes > limit_) return false;
+    // Written as differences: a sum could wrap and let a huge request through.
+    if (bytes % page_ != 0 || bytes > lease.reserved - lease.size) return false;
+    if (limit_ != 0 && bytes > limit_ - physical_) return false;
     const std::size_t first = lease.pages.size(), count = bytes / page_;
     lease.pages.reserve(first + count);
     std::size_t created = 0, mapped = 0;

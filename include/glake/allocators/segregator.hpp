@@ -149,6 +149,16 @@ class segregator {
   }
 
   std::size_t alignment() const noexcept { return std::min(small_.alignment(), large_.alignment()); }
+  /// Sets both parts' live_report (each reports its own live allocations when destroyed).
+  void set_live_report(live_report report) noexcept
+    requires requires(Small& s, Large& l) {
+      s.set_live_report(report);
+      l.set_live_report(report);
+    }
+  {
+    small_.set_live_report(report);
+    large_.set_live_report(report);
+  }
   std::size_t threshold() const noexcept { return threshold_; }
   Small& small() noexcept { return small_; }
   Large& large() noexcept { return large_; }

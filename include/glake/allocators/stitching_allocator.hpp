@@ -128,10 +128,15 @@ class stitching_allocator {
         adoption_(max_candidates, max_reuse_probes),
         small_(borrowed_segment_source<small_lender>(small_lender{this}), small_rules(config_)) {
     pinned_.reserve(256);
+    small_.set_live_report(nullptr);  // its live blocks are this allocator's, reported here
   }
   stitching_allocator(const stitching_allocator&) = delete;
   stitching_allocator& operator=(const stitching_allocator&) = delete;
-  ~stitching_allocator() { release_everything(); }
+  /// Gives every segment back, live allocations or not, and tells the live_report of live ones.
+  ~stitching_allocator() {
+    release_everything();
+    detail::report_live(live_report_, name, counters_.s);
+  }
 
   /// At least `bytes` bytes on `stream`: aligned to `round_to` for small requests and to
   /// `large_round_to` (at least `round_to`) for large ones. Zero bytes gives null.
@@ -164,7 +169,7 @@ class stitching_allocator {
   /// Backends without events need nothing of this. Throws usage_error for a pointer not live here.
   void record_stream(void* p, stream_ref stream) {
     std::lock_guard guard(lock_);
-    if (!owns_unlocked(p)) detail::throw_not_live(name, p, false);
+    if (!owns_unlocked(p)) detail::throw_record_stream_not_live(name, p);
     if constexpr (has_events) deferred_.record_use(p, stream);
   }
 
@@ -233,6 +238,8 @@ class stitching_allocator {
 
   /// Every pointer returned is aligned to at least this.
   std::size_t alignment() const noexcept { return config_.round_to; }
+  /// Who is told, at destruction, of allocations still live (null: nobody; see live_report).
+  void set_live_report(live_report report) noexcept { live_report_ = report; }
   const config& settings() const noexcept { return config_; }
   std::size_t chunk_size() const noexcept { return pool_.chunk(); }
   /// The backend's provider and reserver (e.g. to read a simulated device's counters).
@@ -311,6 +318,9 @@ class stitching_allocator {
   // serves the request wins; steps that only make room return null. The steps are template
   // arguments, so each is a direct call.
   void* allocate_large(const request& r) {
+    // More than the backend can ever hold: no step could serve it, and the later rungs would
+    // empty the caches for nothing.
+    if (r.size > pool_.backend().capacity()) return nullptr;
     return first_of<
         // What else is free for this request now.
         &self::reuse_cached_stitch, &self::adopt_one_block, &self::repair_cached_stitch,
@@ -512,13 +522,14 @@ class stitching_allocator {
       if constexpr (stitches) stitcher_.release(*s);
       return;
     }
-    diagnose_bad_free(p, bytes, stream, s != nullptr);
+    diagnose_bad_free(p, bytes, s != nullptr);
   }
 
-  [[noreturn]] void diagnose_bad_free(void* p, std::size_t bytes, stream_ref stream, bool cached_stitch) {
-    // A small allocation freed with a large size: the small pool names the mismatch.
-    if (bytes > config_.small_limit && small_.deallocate_if_owned(p, bytes, stream)) {
-      throw std::logic_error("glake::stitching_allocator: unreachable");
+  [[noreturn]] void diagnose_bad_free(void* p, std::size_t bytes, bool cached_stitch) {
+    // A live small allocation freed with a size that routed it elsewhere (0, or above
+    // small_limit): the mistake is the size, not the pointer.
+    if (const std::size_t expected = small_.requested_of(p); expected != 0) {
+      detail::throw_size_mismatch(name, p, bytes, expected);
     }
     const block_type* c = pool_.arena().containing(reinterpret_cast<std::uintptr_t>(p));
     detail::throw_not_live(name, p, cached_stitch || (c != nullptr && c->free) || small_.inside_free_block(p));
@@ -603,6 +614,7 @@ class stitching_allocator {
   adoption_type adoption_;
   small_pool small_;
   std::vector<segment*> pinned_;  // scratch: segments a live stitch keeps from release (bounded)
+  live_report live_report_ = detail::default_live_report;
   [[no_unique_address]] mutable Lock lock_;
 };
 

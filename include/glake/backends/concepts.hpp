@@ -41,6 +41,22 @@ concept physical_provider =
     };
 
 // ---------------------------------------------------------------------------------------------
+// capacity_reporting_provider (optional refinement)
+//
+// | expression       | returns     | throws | meaning
+// |------------------|-------------|--------|----------------------------------------------------
+// | cp.capacity()    | std::size_t | no     | the most bytes its live handles can ever total
+// |                  |             |        | (a device's memory size); 0 when unknown or unlimited
+//
+// The allocators refuse a request above it at once, before any work proportional to its size
+// (planning one handle per chunk of an impossible request, or emptying caches for it).
+// ---------------------------------------------------------------------------------------------
+template <class P>
+concept capacity_reporting_provider = physical_provider<P> && requires(const P& cp) {
+  { cp.capacity() } noexcept -> std::same_as<std::size_t>;
+};
+
+// ---------------------------------------------------------------------------------------------
 // address_reserver
 //
 // Reserves virtual address ranges and maps handles into them, following CUDA's rules, which the

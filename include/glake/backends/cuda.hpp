@@ -80,10 +80,13 @@ class cuda_provider {
     const CUmemAllocationProp prop = properties();
     detail::cuda_check(cuMemGetAllocationGranularity(&granularity_, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
                        "cuMemGetAllocationGranularity");
+    detail::cuda_check(cuDeviceTotalMem(&capacity_, dev), "cuDeviceTotalMem");
   }
 
   std::size_t granularity() const noexcept { return granularity_; }
   memory_location location() const noexcept { return memory_location::device; }
+  /// The device's total memory: no request above it can succeed.
+  std::size_t capacity() const noexcept { return capacity_; }
   int device() const noexcept { return device_; }
   bool shareable() const noexcept { return shareable_; }
 
@@ -126,8 +129,10 @@ class cuda_provider {
   int device_;
   bool shareable_;
   std::size_t granularity_ = 0;
+  std::size_t capacity_ = 0;
 };
 static_assert(physical_provider<cuda_provider>);
+static_assert(capacity_reporting_provider<cuda_provider>);
 
 /// Virtual address ranges on the device's address space. Access is granted read-write to the
 /// owning device and to each peer device named at construction (peer access on request).

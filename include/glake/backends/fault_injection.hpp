@@ -177,6 +177,12 @@ class fault_injecting_provider {
 
   std::size_t granularity() const noexcept { return upstream_.granularity(); }
   memory_location location() const noexcept { return upstream_.location(); }
+  /// The wrapped provider's, when it reports one.
+  std::size_t capacity() const noexcept
+    requires capacity_reporting_provider<Provider>
+  {
+    return upstream_.capacity();
+  }
 
   std::optional<handle_type> try_create(std::size_t bytes) {
     if (plan_->should_fail(driver_call::create)) return std::nullopt;

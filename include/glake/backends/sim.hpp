@@ -401,6 +401,8 @@ class sim_provider {
 
   std::size_t granularity() const noexcept { return device_->granularity(); }
   memory_location location() const noexcept { return memory_location::simulated; }
+  /// The device's capacity.
+  std::size_t capacity() const noexcept { return device_->capacity(); }
   std::optional<handle_type> try_create(std::size_t bytes) { return device_->try_create(bytes); }
   void release(handle_type handle) noexcept { device_->release(handle); }
 
@@ -411,6 +413,7 @@ class sim_provider {
   sim_device* device_;
 };
 static_assert(physical_provider<sim_provider>);
+static_assert(capacity_reporting_provider<sim_provider>);
 
 /// The address_reserver face of a sim_device, mapping the handles of a sim_provider on the same
 /// device. Thread safety and complexity are the device's.

@@ -54,6 +54,15 @@ struct usage_counters {
   }
 };
 
+/// What an allocator's live_report starts as: stderr in checked builds, silence otherwise.
+inline constexpr live_report default_live_report = GLAKE_CHECKED ? &print_live_report : nullptr;
+
+/// From a destructor: tells `report` of the allocations `s` counts as still live, if any.
+inline void report_live(live_report report, const char* allocator, const statistics& s) noexcept {
+  const std::uint64_t live = s.allocations - s.deallocations;
+  if (report != nullptr && live != 0) report(allocator, live, s.active_bytes);
+}
+
 inline std::string pointer_text(const void* p) {
   char buffer[32];
   std::snprintf(buffer, sizeof buffer, "%p", p);
@@ -69,6 +78,12 @@ inline std::string pointer_text(const void* p) {
   throw usage_error(usage_error::kind::foreign_pointer,
                     std::string(allocator) + ": deallocate of " + pointer_text(p) +
                         ", a pointer this allocator did not return");
+}
+
+[[noreturn]] inline void throw_record_stream_not_live(const char* allocator, const void* p) {
+  throw usage_error(usage_error::kind::foreign_pointer,
+                    std::string(allocator) + ": record_stream of " + pointer_text(p) +
+                        ", which is not a live allocation of this allocator");
 }
 
 [[noreturn]] inline void throw_size_mismatch(const char* allocator, const void* p, std::size_t given,

@@ -64,9 +64,10 @@ class segment_pool {
   std::size_t chunk() const noexcept { return chunk_; }
 
   /// A new segment of `bytes` (whole chunks) on `stream`, as one free block; null when out of
-  /// memory. A backend failure propagates with nothing changed.
+  /// memory. A backend failure propagates with nothing changed. The limits are checked before
+  /// the handles are planned, so a hopeless request costs O(1) whatever its size.
   block_type* add_segment(std::size_t bytes, stream_ref stream) {
-    if (round_up_overflows(bytes, chunk_)) return nullptr;
+    if (round_up_overflows(bytes, chunk_) || !backend_.may_add(bytes)) return nullptr;
     segment* s = segments_.create();
     try {
       growth_.plan_handles(bytes, handle_sizes_);
@@ -154,8 +155,15 @@ class segment_pool {
                          format_bytes(granularity) + "), got " + format_bytes(chunk));
     }
     if (cfg.small_segment % chunk != 0) {
-      throw config_error("glake config: small_segment (" + format_bytes(cfg.small_segment) +
-                         ") must be a multiple of the chunk size (" + format_bytes(chunk) + ")");
+      // Name the setting to change: the one the user set, or the granularity that stands in
+      // for chunk_size 0.
+      if (cfg.chunk_size == 0) {
+        throw config_error("glake config: small_segment (" + format_bytes(cfg.small_segment) +
+                           ") must be a multiple of the backend's granularity (" + format_bytes(chunk) +
+                           "), the chunk size while chunk_size is 0");
+      }
+      throw config_error("glake config: chunk_size (" + format_bytes(chunk) + ") must divide small_segment (" +
+                         format_bytes(cfg.small_segment) + ")");
     }
     return chunk;
   }

@@ -49,6 +49,11 @@ struct mapped_segment {
   }
 };
 
+/// No request above this can ever be mapped: no machine gives a process more address space
+/// (x86-64's five-level paging: 2^57 bytes; CUDA's unified space is smaller). The bound that
+/// stands in for a backend that reports no capacity, so that any size fails in O(1).
+inline constexpr std::size_t address_space_ceiling = (~std::size_t{0} >> 7) + 1;
+
 /// A handle of a stitched range to replace, or to append: the one at `index` of its layout
 /// (an index past the layout's end appends), by `slot`'s.
 template <class Handle>
@@ -75,6 +80,24 @@ class vmm_backend {
   }
   std::size_t physical_bytes() const noexcept { return physical_bytes_; }
   std::size_t memory_limit() const noexcept { return limit_; }
+  /// The most physical bytes this backend can ever hold: the memory limit or the provider's
+  /// capacity (capacity_reporting_provider), whichever is smaller, and never above
+  /// address_space_ceiling. A request above it can never be served.
+  std::size_t capacity() const noexcept {
+    std::size_t most = address_space_ceiling;
+    if (limit_ != 0) most = std::min(most, limit_);
+    if constexpr (capacity_reporting_provider<Provider>) {
+      if (const std::size_t c = provider_.capacity(); c != 0) most = std::min(most, c);
+    }
+    return most;
+  }
+  /// False when `bytes` more physical bytes certainly cannot be had: above the memory limit
+  /// less what is held, or above capacity(). O(1), so callers ask before any work proportional
+  /// to `bytes`; true does not promise that the provider has the memory.
+  bool may_add(std::size_t bytes) const noexcept {
+    if (limit_ != 0 && bytes > limit_ - physical_bytes_) return false;
+    return bytes <= capacity();
+  }
   const driver_call_counts& calls() const noexcept { return meter_.counts(); }
   const driver_call_times& call_times() const noexcept { return meter_.times(); }
   Provider& provider() noexcept { return provider_; }
@@ -85,8 +108,11 @@ class vmm_backend {
   /// `out` is then untouched.
   bool try_create_segment(std::span<const std::size_t> sizes, segment_type& out) {
     std::size_t bytes = 0;
-    for (std::size_t size : sizes) bytes += size;
-    if (limit_ != 0 && physical_bytes_ + bytes > limit_) return false;
+    for (std::size_t size : sizes) {
+      if (size > ~std::size_t{0} - bytes) return false;  // no backend holds that much
+      bytes += size;
+    }
+    if (!may_add(bytes)) return false;
     const std::size_t count = sizes.size();
     auto slots = std::make_unique<handle_slot<handle_type>[]>(count);
     for (std::size_t i = 0, offset = 0; i < count; offset += sizes[i], ++i) {

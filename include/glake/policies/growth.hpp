@@ -56,7 +56,7 @@ class power_of_two_growth {
     out.clear();
     const std::size_t share = bytes / static_cast<std::size_t>(min_handles_);
     std::size_t largest = chunk_;
-    while (largest * 2 <= max_handle_ && largest * 2 <= share) largest *= 2;
+    while (largest <= max_handle_ / 2 && largest <= share / 2) largest *= 2;  // no overflow
     for (std::size_t size = largest; bytes > 0;) {
       if (size <= bytes) {
         out.push_back(size);
