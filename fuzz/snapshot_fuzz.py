@@ -157,7 +157,9 @@ def _pure_python_main(argv):
             try:
                 run_one(data)
             except Exception as e:  # noqa: BLE001 - any exception is the finding
-                return crash(data, e)
+                traceback.print_exception(type(e), e, e.__traceback__)
+                print(f"snapshot_fuzz ({ENGINE}): {path}: crash", file=sys.stderr)
+                return 1
             print(f"snapshot_fuzz ({ENGINE}): {path}: ok", file=sys.stderr)
         return 0
 
