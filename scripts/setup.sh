@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what glake's build needs on Debian 12 (g++, cmake, make or ninja, Boost headers,
-# doctest, zlib, python3). Quiet and does nothing when all of it is present; runs `apt-get update`
+# doctest, zlib, python3), and what the fuzz stage needs: clang-14 with libclang-rt-14-dev
+# (libFuzzer and the sanitizer runtimes) and python3-venv (Atheris goes into a venv in build/). Quiet and does nothing when all of it is present; runs `apt-get update`
 # at most once; uses sudo when not root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +18,9 @@ have_cmd python3 || missing+=(python3)
 have_pkg libboost-dev || missing+=(libboost-dev)
 have_pkg doctest-dev || missing+=(doctest-dev)
 have_pkg zlib1g-dev || missing+=(zlib1g-dev)
+have_cmd clang++-14 || missing+=(clang-14)
+have_pkg libclang-rt-14-dev || missing+=(libclang-rt-14-dev)
+python3 -c "import ensurepip, venv" 2>/dev/null || missing+=(python3-venv)
 
 if ((${#missing[@]} > 0)); then
   if ! have_cmd apt-get; then

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Builds and runs all tests twice: a Debug build (build/debug), then a RelWithDebInfo build
-# under AddressSanitizer + UBSan (build/asan, package tests excluded). Runs both stages even if
-# the first fails; exits non-zero if either does, after a summary line. Warnings are errors here
-# (-DGLAKE_WERROR=ON), though the option is off by default.
+# under AddressSanitizer + UBSan (build/asan, package tests excluded); then the multi-threaded
+# tests alone under ThreadSanitizer (build/tsan, only glake_thread_tests built, `ctest -L threads`);
+# then each fuzz target for FUZZ_SECONDS (default 60) from its committed corpus (fuzz/run.sh,
+# build/fuzz, Clang). Runs every stage even if an earlier one fails; exits non-zero if any does,
+# after a summary line. Warnings are errors here (-DGLAKE_WERROR=ON), though the option is off
+# by default.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,9 +44,32 @@ if configure_and_build build/asan -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   asan=PASS
 fi
 
-if [[ $debug == PASS && $asan == PASS ]]; then
-  echo "test.sh: ALL PASSED (debug: $debug, asan+ubsan: $asan)"
+tsan=FAIL
+echo "=== test.sh: ThreadSanitizer, multi-threaded tests only (build/tsan) ==="
+export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
+tsan_gen=()
+[[ -f build/tsan/CMakeCache.txt ]] || tsan_gen=("${generator[@]}")
+if cmake -S . -B build/tsan "${tsan_gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+     -DGLAKE_SANITIZE=thread -DGLAKE_WERROR=ON -DGLAKE_BUILD_TESTS=ON -DGLAKE_BUILD_EXAMPLES=OFF \
+     -DGLAKE_BUILD_BENCHMARKS=OFF -DGLAKE_BUILD_TOOLS=OFF -DGLAKE_BUILD_INTEGRATIONS=OFF \
+     -DGLAKE_INSTALL=OFF &&
+   cmake --build build/tsan -j2 --target glake_thread_tests &&
+   (cd build/tsan && ctest --output-on-failure -j2 --timeout 600 -L threads); then
+  tsan=PASS
+fi
+
+fuzz=FAIL
+echo "=== test.sh: fuzzing, ${FUZZ_SECONDS:-60} s a target (build/fuzz; docs/fuzzing.md) ==="
+# Absurd request sizes (2^40 .. SIZE_MAX) stay out of CI until the allocators refuse them
+# quickly; fuzz/run.sh's default keeps them in for runs by hand.
+if GLAKE_FUZZ_ABSURD=${GLAKE_FUZZ_ABSURD:-0} ./fuzz/run.sh "${FUZZ_SECONDS:-60}"; then
+  fuzz=PASS
+fi
+
+stages="debug: $debug, asan+ubsan: $asan, tsan: $tsan, fuzz: $fuzz"
+if [[ $debug == PASS && $asan == PASS && $tsan == PASS && $fuzz == PASS ]]; then
+  echo "test.sh: ALL PASSED ($stages)"
 else
-  echo "test.sh: FAILED (debug: $debug, asan+ubsan: $asan)"
+  echo "test.sh: FAILED ($stages)"
   exit 1
 fi
