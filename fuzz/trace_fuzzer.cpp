@@ -2,9 +2,9 @@
 // plain or gzip-compressed. A trace it accepts must be self-consistent; a trace it rejects must
 // be rejected with trace_error. Anything else (another exception, a sanitizer report) is a crash.
 //
-// The reader takes a path, so each input is written to one memfd and read back through
-// /proc/self/fd: no disk, and the target stays a thin wrapper of `parse` below, the one place
-// to change once the reader can parse a buffer.
+// Plain text goes through parse_trace (from memory); gzip input through read_trace, which takes
+// a path, so it is written to one memfd and read back through /proc/self/fd (no disk). Both
+// name their source as that path, so a rejection is checked the same way.
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 
 #include "trace.hpp"
@@ -31,6 +32,9 @@ namespace {
 glake::replay::trace parse(const std::uint8_t* data, std::size_t size) {
   static const int fd = ::memfd_create("trace_fuzzer", MFD_CLOEXEC);
   static const std::string path = "/proc/self/fd/" + std::to_string(fd);
+  if (size < 2 || data[0] != 0x1f || data[1] != 0x8b) {
+    return glake::replay::parse_trace(std::string_view(reinterpret_cast<const char*>(data), size), path, "fuzz");
+  }
   if (fd < 0 || ::ftruncate(fd, 0) != 0 ||
       (size != 0 && ::pwrite(fd, data, size, 0) != static_cast<ssize_t>(size))) {
     std::perror("trace_fuzzer: memfd");

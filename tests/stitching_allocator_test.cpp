@@ -814,6 +814,7 @@ TEST_CASE("stitching: blocks split below the chunk give stitches only their whol
   for (auto [ptr, size] : {std::pair{p, 4 * M}, {q, 2 * M}, {b, 1 * M}, {d, 1 * M}}) allocator.deallocate(ptr, size);
   allocator.verify();
   CHECK(allocator.stats().active_bytes == 0);
+}
 
 TEST_CASE("stitching: a request above the memory limit fails before any work proportional to it" *
           doctest::timeout(30)) {

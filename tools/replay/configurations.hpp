@@ -51,7 +51,10 @@ template <allocator Allocator>
 class replayable_allocator final : public replayable {
  public:
   template <class Make>
-  replayable_allocator(std::size_t capacity, Make&& make) : device_(capacity), allocator_(make(device_)) {}
+  replayable_allocator(std::size_t capacity, Make&& make) : device_(capacity), allocator_(make(device_)) {
+    // A trace ends with tensors still live (the model's weights): not a leak to report.
+    if constexpr (requires { allocator_.set_live_report(nullptr); }) allocator_.set_live_report(nullptr);
+  }
 
   void* try_allocate(std::size_t bytes, stream_ref stream) override { return allocator_.try_allocate(bytes, stream); }
   void deallocate(void* p, std::size_t bytes, stream_ref stream) override { allocator_.deallocate(p, bytes, stream); }
