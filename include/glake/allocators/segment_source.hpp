@@ -119,14 +119,7 @@ class expandable_segment_source {
   std::size_t memory_limit() const noexcept { return limit_; }
   /// No segment maps more than virtual_size, nor all of them more than the limit or the
   /// provider's capacity.
-  std::size_t capacity() const noexcept {
-    std::size_t most = virtual_size_;
-    if (limit_ != 0) most = std::min(most, limit_);
-    if constexpr (capacity_reporting_provider<Provider>) {
-      if (const std::size_t c = provider_.capacity(); c != 0) most = std::min(most, c);
-    }
-    return most;
-  }
+  std::size_t capacity() const noexcept { return capacity_within(provider_, limit_, virtual_size_); }
   const driver_call_counts& calls() const noexcept { return meter_.counts(); }
   const driver_call_times& call_times() const noexcept { return meter_.times(); }
 

@@ -56,6 +56,17 @@ concept capacity_reporting_provider = physical_provider<P> && requires(const P& 
   { cp.capacity() } noexcept -> std::same_as<std::size_t>;
 };
 
+/// The most bytes `provider` can hold within `most` and a memory `limit` (0: none): the smallest
+/// of `most`, the limit and the provider's capacity where it reports one.
+template <physical_provider P>
+std::size_t capacity_within(const P& provider, std::size_t limit, std::size_t most) noexcept {
+  if (limit != 0) most = limit < most ? limit : most;
+  if constexpr (capacity_reporting_provider<P>) {
+    if (const std::size_t c = provider.capacity(); c != 0 && c < most) most = c;
+  }
+  return most;
+}
+
 // ---------------------------------------------------------------------------------------------
 // address_reserver
 //

@@ -83,14 +83,7 @@ class vmm_backend {
   /// The most physical bytes this backend can ever hold: the memory limit or the provider's
   /// capacity (capacity_reporting_provider), whichever is smaller, and never above
   /// address_space_ceiling. A request above it can never be served.
-  std::size_t capacity() const noexcept {
-    std::size_t most = address_space_ceiling;
-    if (limit_ != 0) most = std::min(most, limit_);
-    if constexpr (capacity_reporting_provider<Provider>) {
-      if (const std::size_t c = provider_.capacity(); c != 0) most = std::min(most, c);
-    }
-    return most;
-  }
+  std::size_t capacity() const noexcept { return capacity_within(provider_, limit_, address_space_ceiling); }
   /// False when `bytes` more physical bytes certainly cannot be had: above the memory limit
   /// less what is held, or above capacity(). O(1), so callers ask before any work proportional
   /// to `bytes`; true does not promise that the provider has the memory.
