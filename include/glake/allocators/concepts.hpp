@@ -5,7 +5,9 @@
 
 #include <concepts>
 #include <cstddef>
+#include <optional>
 
+#include "glake/backends/concepts.hpp"
 #include "glake/statistics.hpp"
 #include "glake/stream.hpp"
 
@@ -138,5 +140,37 @@ template <class A>
 concept stream_recording_allocator = allocator<A> && requires(A& a, void* p, stream_ref s) {
   { a.record_stream(p, s) } -> std::same_as<void>;
 };
+
+// ---------------------------------------------------------------------------------------------
+// allocator_location_v<A>: where A's memory lives, when A's type says so; empty otherwise.
+//
+// Read from the provider, through `A::provider_type` (stitching_allocator),
+// `A::source_type::provider_type` (caching_allocator over a vmm or expandable source), or both
+// parts of a segregator (`small_type`, `large_type`) when they agree. Adaptors that must declare
+// the memory's kind in a type (cuda_mr_resource's device_accessible / host_accessible) use it as
+// their default and ask for the property explicitly when it is empty.
+// ---------------------------------------------------------------------------------------------
+namespace detail {
+template <class A>
+constexpr std::optional<memory_location> allocator_location_of() {
+  if constexpr (requires { typename A::provider_type; }) {
+    return static_location_v<typename A::provider_type>;
+  } else if constexpr (requires { typename A::source_type::provider_type; }) {
+    return static_location_v<typename A::source_type::provider_type>;
+  } else if constexpr (requires {
+                         typename A::small_type;
+                         typename A::large_type;
+                       }) {
+    constexpr auto small = allocator_location_of<typename A::small_type>();
+    constexpr auto large = allocator_location_of<typename A::large_type>();
+    return small == large ? small : std::nullopt;
+  } else {
+    return std::nullopt;
+  }
+}
+}  // namespace detail
+
+template <class A>
+inline constexpr std::optional<memory_location> allocator_location_v = detail::allocator_location_of<A>();
 
 }  // namespace glake

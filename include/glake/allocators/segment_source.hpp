@@ -61,6 +61,7 @@ concept extensible_segment_source =
 template <physical_provider Provider, address_reserver_for<Provider> Reserver>
 class vmm_segment_source {
  public:
+  using provider_type = Provider;
   using lease_type = detail::mapped_segment<typename Provider::handle_type>;
 
   vmm_segment_source(Provider provider, Reserver reserver, std::size_t memory_limit = 0)
@@ -92,6 +93,7 @@ namespace glake {
 template <physical_provider Provider, address_reserver_for<Provider> Reserver>
 class expandable_segment_source {
  public:
+  using provider_type = Provider;
   using handle_type = typename Provider::handle_type;
   struct lease_type {
     std::uintptr_t base = 0;

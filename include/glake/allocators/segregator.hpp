@@ -37,6 +37,8 @@ namespace glake {
 template <allocator Small, allocator Large, lock_policy Lock = no_lock>
 class segregator {
  public:
+  using small_type = Small;
+  using large_type = Large;
   template <class... SmallArgs, class... LargeArgs>
   segregator(std::size_t threshold, std::tuple<SmallArgs...> small_args, std::tuple<LargeArgs...> large_args)
       : threshold_(threshold),

@@ -5,6 +5,8 @@
 #include <concepts>
 #include <cstddef>
 #include <optional>
+#include <type_traits>
+#include <utility>
 
 #include "glake/stream.hpp"
 
@@ -12,6 +14,26 @@ namespace glake {
 
 /// Where the memory a provider creates lives, as a property users can test.
 enum class memory_location { host, device, simulated };
+
+namespace detail {
+template <class P>
+constexpr std::optional<memory_location> static_location_of() {
+  if constexpr (requires { std::integral_constant<memory_location, P::location()>{}; }) {
+    return P::location();
+  } else if constexpr (requires(const P& p) { p.upstream(); }) {
+    return static_location_of<std::remove_cvref_t<decltype(std::declval<const P&>().upstream())>>();
+  } else {
+    return std::nullopt;
+  }
+}
+}  // namespace detail
+
+/// Where P's memory lives when P's type alone says so: its `location()` is a static constexpr
+/// member (the host, sim and CUDA providers), or P wraps such a provider and exposes it as
+/// `upstream()` (the fault-injecting wrappers). Empty otherwise. Adaptors that must state the
+/// memory's kind in a type (cuda::mr's device_accessible / host_accessible) read it.
+template <class P>
+inline constexpr std::optional<memory_location> static_location_v = detail::static_location_of<P>();
 
 // ---------------------------------------------------------------------------------------------
 // physical_provider

@@ -84,7 +84,7 @@ class cuda_provider {
   }
 
   std::size_t granularity() const noexcept { return granularity_; }
-  memory_location location() const noexcept { return memory_location::device; }
+  static constexpr memory_location location() noexcept { return memory_location::device; }
   /// The device's total memory: no request above it can succeed.
   std::size_t capacity() const noexcept { return capacity_; }
   int device() const noexcept { return device_; }

@@ -374,7 +374,7 @@ class host_provider {
                 std::make_shared<state>(granularity, capacity))) {}
 
   std::size_t granularity() const noexcept { return state_->granularity; }
-  memory_location location() const noexcept { return memory_location::host; }
+  static constexpr memory_location location() noexcept { return memory_location::host; }
   /// 0 when unlimited.
   std::size_t capacity() const noexcept { return state_->capacity; }
   /// Bytes of handles created and not yet released, by this provider and its copies.

@@ -400,7 +400,7 @@ class sim_provider {
   explicit sim_provider(sim_device& device) noexcept : device_(&device) {}
 
   std::size_t granularity() const noexcept { return device_->granularity(); }
-  memory_location location() const noexcept { return memory_location::simulated; }
+  static constexpr memory_location location() noexcept { return memory_location::simulated; }
   /// The device's capacity.
   std::size_t capacity() const noexcept { return device_->capacity(); }
   std::optional<handle_type> try_create(std::size_t bytes) { return device_->try_create(bytes); }
