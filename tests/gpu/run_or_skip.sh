@@ -1,12 +1,13 @@
 #!/bin/sh
-# Runs the GPU test executable where a CUDA driver and a GPU are present; otherwise says why and
-# exits 77, which CTest reports as skipped (SKIP_RETURN_CODE).
+# Runs a GPU program (the GPU tests, examples/*.cu) where a CUDA driver and a GPU are present;
+# otherwise says why and exits 77, which CTest reports as skipped (SKIP_RETURN_CODE).
+program=$(basename "$1")
 if ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1'; then
-  echo "gpu tests skipped: no CUDA driver (libcuda.so.1) on this machine"
+  echo "$program skipped: no CUDA driver (libcuda.so.1) on this machine"
   exit 77
 fi
 if ! ls /dev/nvidia[0-9]* >/dev/null 2>&1; then
-  echo "gpu tests skipped: no GPU device (/dev/nvidia*) on this machine"
+  echo "$program skipped: no GPU device (/dev/nvidia*) on this machine"
   exit 77
 fi
 exec "$@"
