@@ -56,7 +56,7 @@ foreach(pair "GLAKE_RMM_INCLUDE_DIR;rmm/version_config.hpp"
     list(APPEND glake_rmm_missing "${what}")
   endif()
 endforeach()
-if(NOT EXISTS "${GLAKE_RMM_INCLUDE_DIR}/nvtx3/nvToolsExt.h")
+if(GLAKE_RMM_INCLUDE_DIR AND NOT EXISTS "${GLAKE_RMM_INCLUDE_DIR}/nvtx3/nvToolsExt.h")
   list(APPEND glake_rmm_missing "nvtx3/nvToolsExt.h (beside rmm/)")
 endif()
 if(glake_rmm_missing)
