@@ -78,9 +78,9 @@ math(EXPR glake_rmm_cccl_minor "(${glake_rmm_cccl_version} / 1000) % 1000")
 message(STATUS "glake: RMM ${GLAKE_RMM_VERSION} (CCCL ${glake_rmm_cccl_major}.${glake_rmm_cccl_minor}) from "
                "${GLAKE_RMM_INCLUDE_DIR}")
 
+# RMM's CCCL is not among these: glake_use_rmm puts it on each target, first.
 add_library(glake_rmm_deps INTERFACE)
-target_include_directories(glake_rmm_deps SYSTEM INTERFACE
-  "${GLAKE_RMM_CCCL_INCLUDE_DIR}" "${GLAKE_RMM_INCLUDE_DIR}" "${GLAKE_RMM_LOGGER_INCLUDE_DIR}")
+target_include_directories(glake_rmm_deps SYSTEM INTERFACE "${GLAKE_RMM_INCLUDE_DIR}" "${GLAKE_RMM_LOGGER_INCLUDE_DIR}")
 # librmm.so finds librapids_logger.so, which lies in another directory, only through the copy this
 # program loads itself (by soname): link it even where the linker drops unused libraries.
 if(CMAKE_SYSTEM_NAME STREQUAL "Linux")
@@ -89,8 +89,13 @@ endif()
 target_link_libraries(glake_rmm_deps INTERFACE "${GLAKE_RMM_LOGGER_LIBRARY}" "${GLAKE_RMM_LIBRARY}" CUDA::cudart)
 
 # glake_use_rmm(<target>): links glake_rmm_deps, with RMM's CCCL ahead of every other include
-# directory of <target> (for nvcc too, whose own -isystem of the toolkit's CCCL comes last).
+# directory of <target>. For C++ sources it is a system directory (-isystem, placed before the
+# toolkit's, which CMake also passes as -isystem). For CUDA sources it must be a plain -I: nvcc
+# itself adds the toolkit's include directory with -I (after the command line's -I, before every
+# -isystem), and that directory holds nv/target, which CCCL >= 3.5's cub needs in its own newer
+# version (the toolkit's one lacks NV_HAS_FEATURE_SM_100f).
 function(glake_use_rmm target)
-  target_include_directories(${target} SYSTEM BEFORE PRIVATE "${GLAKE_RMM_CCCL_INCLUDE_DIR}")
+  target_include_directories(${target} SYSTEM BEFORE PRIVATE "$<$<COMPILE_LANGUAGE:CXX>:${GLAKE_RMM_CCCL_INCLUDE_DIR}>")
+  target_include_directories(${target} BEFORE PRIVATE "$<$<COMPILE_LANGUAGE:CUDA>:${GLAKE_RMM_CCCL_INCLUDE_DIR}>")
   target_link_libraries(${target} PRIVATE glake_rmm_deps)
 endfunction()
