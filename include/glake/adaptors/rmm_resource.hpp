@@ -56,9 +56,13 @@ namespace glake {
 /// cuda::mr::device_accessible>).
 ///
 /// Streams, alignment, deallocation (noexcept; misuse to the resource_misuse_report) and cost:
-/// those of cuda_mr_resource. RMM calls the stream-ordered members for its containers
-/// (device_buffer, device_uvector) and exec_policy; its adaptors' `_sync` members synchronize the
-/// default stream themselves.
+/// those of cuda_mr_resource, plus a try block around allocation. RMM's containers
+/// (device_buffer, device_uvector) and exec_policy call the stream-ordered members.
+///
+/// Devices: the memory is that of the device the allocator's backend was made for
+/// (cuda_provider(d), cuda_reserver(d)); register the resource for that device only
+/// (rmm::mr::set_per_device_resource(rmm::cuda_device_id{d}, r), or set_current_device_resource
+/// with d current), one allocator per device.
 ///
 /// Thread safety: that of the allocator. RMM's per-device resource is one object used from every
 /// thread that allocates on the device, so an allocator set there must lock:
