@@ -5,7 +5,8 @@
 // (glake_rmm_tests, built with GLAKE_WITH_RMM); the GPU side is tests/gpu/rmm_test.cpp.
 //
 // What runs without a GPU, found by trying: RMM's per-device map (rmm::get_current_cuda_device()
-// ignores cudaGetDevice's failure and answers -1, so the "current device" is id -1 here),
+// checks cudaGetDevice only by an assertion, compiled out of the wheel's librmm, and answers -1,
+// so the "current device" is id -1 here),
 // device_buffer and device_uvector construction and destruction (the stream-ordered allocate and
 // deallocate, nothing else), and the adaptors' stream-ordered members. What does not, and is not
 // tested here: anything that copies or fills (device_uvector::element/set_element, resize, a
