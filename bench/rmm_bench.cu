@@ -397,7 +397,8 @@ int main(int argc, char** argv) try {
       r.pass = pass;
       r.resource = order[k].name;
       r.workload = workload;
-      std::fprintf(stderr, "# pass %d: %s %s\n", pass, r.resource.c_str(), workload);
+      std::fprintf(stderr, "# pass %d: %s %s ...", pass, r.resource.c_str(), workload);
+      const auto phase_start = clock_type::now();
       try {
         check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
         free_memory_watch watch;
@@ -415,7 +416,8 @@ int main(int argc, char** argv) try {
       } catch (const std::exception& e) {
         r.error = e.what();
       }
-      print_json(r);
+      std::fprintf(stderr, " %.1f s\n", elapsed_ms(phase_start) / 1000.0);
+      print_json(r);  // at once, so a run cut short keeps what it measured
       results.push_back(std::move(r));
     }
   }
