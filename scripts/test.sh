@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds and runs all tests twice: a Debug build (build/debug), then a RelWithDebInfo build
+# Builds and runs all tests twice: a Debug build (build/debug; with the RMM tests where RMM's pip
+# wheels can be installed, see rmm_setup), then a RelWithDebInfo build
 # under AddressSanitizer + UBSan (build/asan, package tests excluded); then the multi-threaded
 # tests alone under ThreadSanitizer (build/tsan, only glake_thread_tests built, `ctest -L threads`);
 # then each fuzz target for FUZZ_SECONDS (default 60) from its committed corpus (fuzz/run.sh,
@@ -27,9 +28,60 @@ configure_and_build() {
     cmake --build "$dir" -j2
 }
 
+# RMM for the Debug stage (GLAKE_WITH_RMM: tests/rmm_resource_test.cpp without a GPU, the RMM GPU
+# tests and bench_rmm compiled): RMM's pip wheels in a venv under build/ (installed once, then
+# reused), where the platform allows; otherwise one line says why the RMM tests are skipped.
+rmm_args=(-DGLAKE_WITH_RMM=OFF)
+rmm_venv=build/rmm-venv
+rmm_setup() {
+  local platform
+  platform="$(uname -s)/$(uname -m)"
+  if [[ $platform != Linux/x86_64 && $platform != Linux/aarch64 ]]; then
+    echo "test.sh: RMM tests skipped: RMM's wheels are for Linux x86_64 and aarch64, not $platform"
+    return 1
+  fi
+  # Where CMake's FindCUDAToolkit looks first: nvcc on PATH, else /usr/local/cuda.
+  local cuda=/usr/local/cuda
+  if command -v nvcc >/dev/null 2>&1; then
+    cuda=$(dirname "$(dirname "$(command -v nvcc)")")
+  fi
+  local cuda_version
+  cuda_version=$(sed -n 's/^#define CUDA_VERSION \([0-9]*\).*/\1/p' "$cuda/include/cuda.h" 2>/dev/null || true)
+  if [[ -z $cuda_version ]]; then
+    echo "test.sh: RMM tests skipped: no CUDA toolkit (no $cuda/include/cuda.h)"
+    return 1
+  fi
+  if ((cuda_version < 13000)); then
+    echo "test.sh: RMM tests skipped: the CUDA toolkit at $cuda is $cuda_version, RMM's cu13 wheels need 13.x"
+    return 1
+  fi
+  if [[ ! -x $rmm_venv/bin/python ]] && ! python3 -m venv "$rmm_venv" >/dev/null 2>&1; then
+    rm -rf "$rmm_venv"
+    echo "test.sh: RMM tests skipped: python3 -m venv failed"
+    return 1
+  fi
+  local site
+  if ! site=$("$rmm_venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') ||
+     [[ -z $site ]]; then
+    echo "test.sh: RMM tests skipped: the venv's python in $rmm_venv does not run"
+    return 1
+  fi
+  if ! grep -qs '#define RMM_VERSION "26\.10\.' "$site/librmm/include/rmm/version_config.hpp" ||
+     [[ ! -d $site/rapids_logger ]]; then
+    echo "test.sh: installing librmm-cu13 26.10 and rapids-logger into $rmm_venv"
+    if ! timeout 600 "$rmm_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+         'librmm-cu13==26.10.*' 'rapids-logger'; then
+      echo "test.sh: RMM tests skipped: pip could not install librmm-cu13==26.10.* (no network or no index?)"
+      return 1
+    fi
+  fi
+  rmm_args=(-DGLAKE_WITH_RMM=ON "-DGLAKE_RMM_ROOT=$site")
+}
+rmm_setup || true
+
 debug=FAIL
 echo "=== test.sh: Debug build (build/debug) ==="
-if configure_and_build build/debug -DCMAKE_BUILD_TYPE=Debug -DGLAKE_SANITIZE= &&
+if configure_and_build build/debug -DCMAKE_BUILD_TYPE=Debug -DGLAKE_SANITIZE= "${rmm_args[@]}" &&
    (cd build/debug && ctest --output-on-failure -j2 --timeout 600); then
   debug=PASS
 fi
