@@ -88,7 +88,7 @@ TEST_CASE("borrowed segment source: each segment is lent by the lender for its s
   CHECK(log.taken_back == std::vector<std::uintptr_t>{0x100000000 + 4 * M, 0x100000000});
 }
 
-TEST_CASE("borrowed segment source: a lender out of memory is false with the lease untouched; its errors propagate") {
+TEST_CASE("borrowed segment source: a lender out of memory is false with the lease untouched, its errors propagate") {
   lender_log log;
   borrowed_segment_source<fake_lender> source(fake_lender{&log});
   borrowed_segment_source<fake_lender>::lease_type lease;

@@ -136,7 +136,7 @@ TEST_CASE("cuda_mr_resource: alignments it cannot guarantee are refused with a c
   coarse.deallocate_sync(p, 100, 4096);
 }
 
-TEST_CASE("cuda_mr_resource: copies share one allocator; equality is sharing") {
+TEST_CASE("cuda_mr_resource: copies share one allocator, equality is sharing") {
   auto allocator = make_host();
   host_resource a(allocator);
   host_resource b = a;
@@ -159,7 +159,7 @@ TEST_CASE("cuda_mr_resource: copies share one allocator; equality is sharing") {
   made.deallocate_sync(q, 10);
 }
 
-TEST_CASE("cuda_mr_resource: the stream reaches the allocator; zero bytes give null") {
+TEST_CASE("cuda_mr_resource: the stream reaches the allocator, zero bytes give null") {
   sim_device device(1 * GiB);
   auto allocator = std::make_shared<sim_stitching>(sim_provider{device}, sim_reserver{device});
   sim_resource resource(allocator);

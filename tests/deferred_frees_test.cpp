@@ -74,7 +74,7 @@ TEST_CASE("deferred frees: a free is deferred only when another stream used the 
   CHECK(f.freed.empty());
 }
 
-TEST_CASE("deferred frees: uses on several streams get an event each; the free's own stream gets none") {
+TEST_CASE("deferred frees: uses on several streams get an event each, the free's own stream gets none") {
   fixture f;
   f.frees.record_use(p, B);
   f.frees.record_use(p, A);

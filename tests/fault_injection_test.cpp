@@ -141,7 +141,7 @@ TEST_CASE("fail_nth_call_of fails the nth call of one kind only") {
   check_clean(f.device);
 }
 
-TEST_CASE("fail_every_call_of keeps failing until cleared; reset clears everything") {
+TEST_CASE("fail_every_call_of keeps failing until cleared, reset clears everything") {
   fixture f;
   const auto handle = f.provider.try_create(g);
   REQUIRE(handle.has_value());

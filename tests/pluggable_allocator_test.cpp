@@ -110,7 +110,7 @@ std::map<std::string_view, std::uint64_t> stats_of(Plugin& plugin, int device) {
 
 }  // namespace
 
-TEST_CASE("pluggable_allocator: out of memory is null with one line, or rethrown; the allocator still serves") {
+TEST_CASE("pluggable_allocator: out of memory is null with one line, or rethrown, the allocator still serves") {
   sim_devices sim;
   sim.settings.memory_limit = 64 * MiB;
   std::FILE* log = std::tmpfile();
@@ -250,7 +250,7 @@ TEST_CASE("pluggable_allocator: each call runs inside a scope for its device") {
   CHECK(text == "232332333");
 }
 
-TEST_CASE("pluggable_allocator: statistics in the order of the names; resettable peaks; release_cached") {
+TEST_CASE("pluggable_allocator: statistics in the order of the names, resettable peaks, release_cached") {
   sim_devices sim;
   using plugin_type = pluggable_allocator<sim_stitching>;
   plugin_type plugin(sim.factory(), options_for<plugin_type>(nullptr));

@@ -67,7 +67,7 @@ static_assert(!never_stitches<declares_stitching>);
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("stitch admission conformance: a disabled admission admits nothing; an enabled one follows its config",
+TEST_CASE_TEMPLATE("stitch admission conformance: a disabled admission admits nothing, an enabled one follows its config",
                    A, gmlake_admission, never_stitch) {
   config cfg;
   cfg.frag_limit = 0;
@@ -140,7 +140,7 @@ TEST_CASE("gmlake_admission: a cached range is repaired when at most half the re
   CHECK_FALSE(n / 2 + 1 < admission.repair_budget(n));
 }
 
-TEST_CASE("gmlake_admission: new stitches from the defrag_level rung on; grow_shortfall from grow_stitch") {
+TEST_CASE("gmlake_admission: new stitches from the defrag_level rung on, grow_shortfall from grow_stitch") {
   config cfg;
   for (int level = 0; level <= 2; ++level) {
     cfg.defrag_level = level;

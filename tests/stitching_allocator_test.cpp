@@ -322,7 +322,7 @@ TEST_CASE("stitching: reuse_limit bounds how much larger a reused stitched range
   }
 }
 
-TEST_CASE("stitching: frag_limit keeps small requests from stitching; they grow instead") {
+TEST_CASE("stitching: frag_limit keeps small requests from stitching, they grow instead") {
   sim_device device(4 * GiB);
   config cfg;
   cfg.frag_limit = 512 * M;  // GMLake's default

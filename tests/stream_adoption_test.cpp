@@ -206,7 +206,7 @@ TEST_CASE("stream adoption: gathering looks at no more than max_candidates block
   CHECK(m.count <= 2);
 }
 
-TEST_CASE("stream adoption: blocks whose frees have not completed stay; waiting for them waits on just their stream's event") {
+TEST_CASE("stream adoption: blocks whose frees have not completed stay, waiting for them waits on just their stream's event") {
   sim_device device(1 * GiB);
   testing::event_log log;
   testing::evented_reserver reserver(device, log);

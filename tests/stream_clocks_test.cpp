@@ -53,7 +53,7 @@ struct fixture {
 
 }  // namespace
 
-TEST_CASE("stream clocks: each stream's marks advance with its events; a stream without a clock never completes") {
+TEST_CASE("stream clocks: each stream's marks advance with its events, a stream without a clock never completes") {
   fixture f(0);
   CHECK(f.clocks.mark_free(A) == ~std::uint64_t{0});  // not entered: only a device synchronize completes it
   CHECK_FALSE(f.clocks.completed(A, 0));

@@ -493,7 +493,7 @@ TEST_CASE("stream order: with several streams, calls query a stream's events at 
   allocator.verify();
 }
 
-TEST_CASE("stream order: statistics count event records and queries; event_interval_us spaces a stream's events") {
+TEST_CASE("stream order: statistics count event records and queries, event_interval_us spaces a stream's events") {
   for (const int interval : {0, 1'000'000}) {
     CAPTURE(interval);
     sim_device device(2 * GiB);

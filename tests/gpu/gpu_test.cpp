@@ -42,7 +42,7 @@ config stitch_everything() {
 
 }  // namespace
 
-TEST_CASE("gpu: the CUDA provider and reserver keep CUDA's rules; one handle mapped twice shows the same bytes") {
+TEST_CASE("gpu: the CUDA provider and reserver keep CUDA's rules, one handle mapped twice shows the same bytes") {
   REQUIRE(cudaFree(nullptr) == cudaSuccess);  // the runtime's context, shared with the driver calls
   cuda_provider provider(0);
   cuda_reserver reserver(0);

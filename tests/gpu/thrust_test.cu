@@ -188,7 +188,7 @@ TEST_CASE("gpu: thrust reduce and inclusive_scan through glake's policies give t
   CHECK(allocator.stats().active_bytes == 0);
 }
 
-TEST_CASE("gpu: thrust allocators are equal on the same allocator and stream; vectors move memory with them") {
+TEST_CASE("gpu: thrust allocators are equal on the same allocator and stream, vectors move memory with them") {
   REQUIRE(cudaFree(nullptr) == cudaSuccess);
   test_stream one, two;
   cuda_stitching first(cuda_provider(0), cuda_reserver(0));
