@@ -13,8 +13,9 @@ from GLAKE_ALLOC_CONF ("frag_limit:2MiB,grow_stitch:true", see the README) and G
 over the plug-in's defaults (glake-replay's "glake" composition); `conf` sets GLAKE_ALLOC_CONF.
 GLAKE_TRACE=<path> (or `trace`) records every request for glake-replay (%d: device, %p: pid, %r: rank).
 
-PyTorch's memory statistics (torch.cuda.max_memory_allocated and friends) do not work with a
-pluggable allocator; stats() gives glake's own. Hooks: PyTorch's reset hook (set_reset_fn, which
+PyTorch's memory statistics (torch.cuda.max_memory_allocated and friends) raise with a pluggable
+allocator; stats() gives glake's own, memory_stats() the same under PyTorch's names, and
+use_in_torch_cuda() makes torch.cuda's own functions answer from glake. Hooks: PyTorch's reset hook (set_reset_fn, which
 torch.cuda.empty_cache() calls) and record_stream hook are set through the allocator object's
 Python bindings where this PyTorch has them; without set_reset_fn, torch.cuda.empty_cache is
 wrapped instead (hooks() says which). Out of memory raises a RuntimeError whose message contains
@@ -41,6 +42,12 @@ __all__ = [
     "empty_cache",
     "reset_peak_stats",
     "hooks",
+    "memory_stats",
+    "memory_allocated",
+    "max_memory_allocated",
+    "memory_reserved",
+    "max_memory_reserved",
+    "use_in_torch_cuda",
 ]
 
 LIBRARY_NAME = "libglake_torch.so"
@@ -283,3 +290,97 @@ def empty_cache(device=None):
 def reset_peak_stats(device=None):
     """Peaks are measured from now on, on `device` or every device when None."""
     load().glake_reset_peak(-1 if device is None else _device_index(device))
+
+
+# PyTorch's statistics that glake keeps, as (PyTorch name, glake current, glake peak). PyTorch's
+# "requested" is what was asked; its "allocated" what blocks hold after rounding; its "active" the
+# allocated blocks plus those freed but still in use by a stream (glake counts a record_stream'd
+# block as allocated until its streams' work completes, so "active" is glake's allocated).
+_TORCH_BYTES = (
+    ("allocated_bytes", "allocated_bytes", "peak_allocated_bytes"),
+    ("active_bytes", "allocated_bytes", "peak_allocated_bytes"),
+    ("requested_bytes", "active_bytes", "peak_active_bytes"),
+    ("reserved_bytes", "reserved_bytes", "peak_reserved_bytes"),
+)
+
+
+def memory_stats(device=None):
+    """glake's statistics of `device` under the names of torch.cuda.memory_stats(), for code and
+    dashboards that read those: "allocated_bytes.all.current" / ".peak" (bytes of live blocks,
+    after rounding), "active_bytes.all.*" (the same: glake counts a record_stream'd block until
+    its streams are done), "requested_bytes.all.*" (bytes asked for), "reserved_bytes.all.*"
+    (physical memory held), "allocation.all.current/allocated/freed" (live allocations and
+    allocate / free calls so far), "segment.all.current/allocated/freed" (glake's growths),
+    "num_ooms", "num_device_alloc" / "num_device_free" (physical handles created and released);
+    "small_pool" / "large_pool" keys are not given (glake's pools are not PyTorch's). Keys PyTorch
+    has and glake does not keep (num_alloc_retries, inactive_split*, oversize_*, cumulative
+    byte counts) are absent rather than guessed. glake's own statistics follow as "glake.<name>"
+    (stitches, driver calls, ...). Sorted by key, like PyTorch's."""
+    s = stats(device)
+    out = {}
+    for name, current, peak in _TORCH_BYTES:
+        out[name + ".all.current"] = s[current]
+        out[name + ".all.peak"] = s[peak]
+    out["allocation.all.current"] = s["allocations"] - s["deallocations"]
+    out["allocation.all.allocated"] = s["allocations"]
+    out["allocation.all.freed"] = s["deallocations"]
+    out["segment.all.current"] = s["segments_created"] - s["segments_released"]
+    out["segment.all.allocated"] = s["segments_created"]
+    out["segment.all.freed"] = s["segments_released"]
+    out["num_ooms"] = s["failed_allocations"]
+    out["num_device_alloc"] = s["driver_create"]
+    out["num_device_free"] = s["driver_release"]
+    for key, value in s.items():
+        out["glake." + key] = value
+    return dict(sorted(out.items()))
+
+
+def memory_allocated(device=None):
+    """As torch.cuda.memory_allocated: bytes of live blocks on `device`."""
+    return stats(device)["allocated_bytes"]
+
+
+def max_memory_allocated(device=None):
+    """As torch.cuda.max_memory_allocated: their peak since the last reset_peak_stats."""
+    return stats(device)["peak_allocated_bytes"]
+
+
+def memory_reserved(device=None):
+    """As torch.cuda.memory_reserved: physical memory glake holds on `device`."""
+    return stats(device)["reserved_bytes"]
+
+
+def max_memory_reserved(device=None):
+    """As torch.cuda.max_memory_reserved: its peak since the last reset_peak_stats."""
+    return stats(device)["peak_reserved_bytes"]
+
+
+def use_in_torch_cuda():
+    """Makes torch.cuda's statistics answer from glake: torch.cuda.memory_stats (and with it
+    memory_allocated, max_memory_allocated, memory_reserved, max_memory_reserved and
+    memory_stats_as_nested_dict's flat form, which PyTorch computes from memory_stats) and
+    reset_peak_memory_stats / reset_max_memory_allocated / reset_max_memory_cached. One call, after
+    enable(); code calling those functions then works unchanged. PyTorch's functions are replaced
+    in torch.cuda and torch.cuda.memory (they look memory_stats up there at each call); returns the
+    names replaced."""
+    import torch
+
+    def torch_memory_stats(device=None):
+        return memory_stats(device)
+
+    def torch_reset_peak_memory_stats(device=None):
+        reset_peak_stats(device)
+
+    replaced = []
+    targets = [torch.cuda, getattr(torch.cuda, "memory", None)]
+    for module in [m for m in targets if m is not None]:
+        for name, fn in (
+            ("memory_stats", torch_memory_stats),
+            ("reset_peak_memory_stats", torch_reset_peak_memory_stats),
+            ("reset_max_memory_allocated", torch_reset_peak_memory_stats),
+            ("reset_max_memory_cached", torch_reset_peak_memory_stats),
+        ):
+            if hasattr(module, name):
+                setattr(module, name, fn)
+                replaced.append(f"{module.__name__}.{name}")
+    return replaced

@@ -52,6 +52,22 @@ def environment(**values):
 
 
 @contextlib.contextmanager
+def mock_modules(**modules):
+    """Puts `modules` into sys.modules for the block (names with dots as keyword arguments through
+    **{...}), then restores what was there."""
+    saved = {name: sys.modules.get(name) for name in modules}
+    try:
+        sys.modules.update(modules)
+        yield
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+@contextlib.contextmanager
 def captured_stderr():
     """What C code writes to file descriptor 2 during the block, as a list of lines."""
     lines = []
@@ -273,6 +289,70 @@ class Statistics(unittest.TestCase):
         s = glake_torch.stats(device)
         self.assertEqual((s["peak_active_bytes"], s["peak_reserved_bytes"]), (10 * MiB + 100, 12 * MiB))
         lib.glake_free(b, 6 * MiB + 100, device, None)
+
+    def test_pytorch_names_and_torch_cuda_answering_from_glake(self):
+        lib, device = self.lib, 7
+        before = glake_torch.stats(device)
+        self.assertEqual(before["allocations"], 0)  # a device no other test uses
+        a = lib.glake_malloc(10 * MiB, device, None)
+        b = lib.glake_malloc(1000, device, None)
+        lib.glake_free(a, 10 * MiB, device, None)
+        s = glake_torch.stats(device)
+        m = glake_torch.memory_stats(device)
+        self.assertEqual(list(m), sorted(m))
+        self.assertEqual(m["requested_bytes.all.current"], 1000)
+        self.assertEqual(m["requested_bytes.all.peak"], 10 * MiB + 1000)
+        self.assertEqual(m["allocated_bytes.all.current"], s["allocated_bytes"])
+        self.assertGreaterEqual(m["allocated_bytes.all.current"], 1000)  # rounded up
+        self.assertGreaterEqual(m["allocated_bytes.all.peak"], 10 * MiB + 1000)
+        self.assertEqual(m["active_bytes.all.peak"], m["allocated_bytes.all.peak"])
+        self.assertEqual(m["reserved_bytes.all.current"], s["reserved_bytes"])
+        self.assertEqual(m["reserved_bytes.all.peak"], s["peak_reserved_bytes"])
+        self.assertEqual((m["allocation.all.current"], m["allocation.all.allocated"], m["allocation.all.freed"]), (1, 2, 1))
+        self.assertEqual(m["segment.all.current"], s["segments_created"] - s["segments_released"])
+        self.assertEqual(m["num_device_alloc"], s["driver_create"])
+        self.assertEqual(m["num_ooms"], 0)
+        self.assertEqual(m["glake.stitches"], s["stitches"])
+        self.assertNotIn("num_alloc_retries", m)  # not kept by glake: absent, not guessed
+        self.assertEqual(glake_torch.max_memory_allocated(device), m["allocated_bytes.all.peak"])
+        self.assertEqual(glake_torch.memory_reserved(device), s["reserved_bytes"])
+
+        # torch.cuda's own functions, as torch 2.11 writes them: memory_allocated and friends look
+        # memory_stats up in torch.cuda.memory at each call, and raise with a pluggable allocator.
+        memory = types.ModuleType("torch.cuda.memory")
+        exec(textwrap.dedent("""
+            def memory_stats(device=None):
+                raise RuntimeError("memory_stats is not supported by the pluggable allocator")
+            def memory_allocated(device=None):
+                return memory_stats(device=device).get("allocated_bytes.all.current", 0)
+            def max_memory_allocated(device=None):
+                return memory_stats(device=device).get("allocated_bytes.all.peak", 0)
+            def max_memory_reserved(device=None):
+                return memory_stats(device=device).get("reserved_bytes.all.peak", 0)
+            def reset_peak_memory_stats(device=None):
+                raise RuntimeError("not supported")
+        """), memory.__dict__)
+        cuda = types.ModuleType("torch.cuda")
+        for name in ("memory_stats", "memory_allocated", "max_memory_allocated", "max_memory_reserved",
+                     "reset_peak_memory_stats"):
+            setattr(cuda, name, getattr(memory, name))
+        cuda.memory = memory
+        cuda.is_initialized = lambda: False
+        torch = types.ModuleType("torch")
+        torch.cuda = cuda
+        with mock_modules(torch=torch, **{"torch.cuda": cuda, "torch.cuda.memory": memory}):
+            with self.assertRaises(RuntimeError):
+                cuda.max_memory_allocated(device)
+            replaced = glake_torch.use_in_torch_cuda()
+            self.assertIn("torch.cuda.memory.memory_stats", replaced)
+            self.assertEqual(cuda.memory_allocated(device), m["allocated_bytes.all.current"])
+            self.assertEqual(cuda.max_memory_allocated(device), m["allocated_bytes.all.peak"])
+            self.assertEqual(cuda.memory_stats(device)["num_ooms"], 0)
+            cuda.reset_peak_memory_stats(device)
+            self.assertEqual(cuda.max_memory_allocated(device), glake_torch.stats(device)["peak_allocated_bytes"])
+            self.assertLess(cuda.max_memory_allocated(device), m["allocated_bytes.all.peak"])
+            self.assertEqual(cuda.max_memory_reserved(device), glake_torch.stats(device)["peak_reserved_bytes"])
+        lib.glake_free(b, 1000, device, None)
 
 
 HOST_TIME = textwrap.dedent(
