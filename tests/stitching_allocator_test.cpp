@@ -862,3 +862,48 @@ TEST_CASE("stitching: a request above the memory limit fails before any work pro
   check_refuses(theirs);
   CHECK(device.violations() == 0);
 }
+
+TEST_CASE("stitching: set_memory_limit gives cached memory back at once and holds growth, live blocks untouched") {
+  sim_device device(4 * GiB);
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device});
+  CHECK(allocator.memory_limit() == 0);
+  std::vector<void*> blocks;
+  for (int i = 0; i < 6; ++i) blocks.push_back(allocator.allocate(64 * M));
+  for (int i = 0; i < 6; i += 2) allocator.deallocate(blocks[i], 64 * M);  // 192 MiB live, 192 cached
+  REQUIRE(allocator.stats().reserved_bytes == 384 * M);
+
+  allocator.set_memory_limit(256 * M);
+  CHECK(allocator.memory_limit() == 256 * M);
+  CHECK(allocator.settings().memory_limit == 256 * M);
+  CHECK(allocator.stats().reserved_bytes == 192 * M);  // the cached part went back at once
+  CHECK(device.physical_bytes() == 192 * M);
+  for (int i = 1; i < 6; i += 2) CHECK(device.resolve(blocks[i]).has_value());
+  CHECK(allocator.try_allocate(128 * M) == nullptr);  // 192 + 128 > 256
+  CHECK(allocator.stats().failed_allocations == 1);
+  void* fits = allocator.allocate(64 * M);  // 256: exactly the limit
+  allocator.verify();
+
+  // A limit below what is live: nothing live is touched, growth waits until enough is freed.
+  allocator.set_memory_limit(100 * M);
+  CHECK(allocator.stats().reserved_bytes == 256 * M);
+  CHECK(allocator.try_allocate(2 * M) == nullptr);
+  allocator.deallocate(fits, 64 * M);
+  allocator.deallocate(blocks[1], 64 * M);
+  allocator.deallocate(blocks[3], 64 * M);  // 64 MiB live
+  void* small = allocator.allocate(30 * M);  // served from the cache, which may stay above the limit
+  CHECK(allocator.stats().reserved_bytes == 256 * M);
+  CHECK(allocator.try_allocate(200 * M) == nullptr);  // more than the limit: refused at once
+  CHECK(allocator.try_allocate(100 * M) == nullptr);  // growth past the limit: refused, after the
+  CHECK(allocator.stats().reserved_bytes == 128 * M);  // cache went back to make room
+  allocator.release_cached();
+  CHECK(allocator.stats().reserved_bytes == 128 * M);  // the two handles holding blocks[5] and small
+  allocator.verify();
+
+  allocator.set_memory_limit(0);  // no limit again
+  void* big = allocator.allocate(1 * GiB);
+  CHECK(big != nullptr);
+  allocator.deallocate(big, 1 * GiB);
+  allocator.deallocate(small, 30 * M);
+  allocator.deallocate(blocks[5], 64 * M);
+  allocator.verify();
+}

@@ -46,11 +46,15 @@ using allocator_type =
 using device_scope = no_device_scope;
 constexpr const char* backend_name = "simulated";
 
+constexpr std::size_t simulated_device_bytes = 80 * GiB;
+
 std::unique_ptr<allocator_type> make_allocator(int, const config& settings) {
   // The simulated device lives as long as the process, as the allocators do (see plugin()).
-  auto* device = new sim_device(80 * GiB);
+  auto* device = new sim_device(simulated_device_bytes);
   return std::make_unique<allocator_type>(sim_provider{*device}, sim_reserver{*device}, settings);
 }
+
+std::size_t device_total_bytes(int) { return simulated_device_bytes; }
 
 #else
 
@@ -104,6 +108,18 @@ constexpr const char* backend_name = "cuda";
 
 std::unique_ptr<allocator_type> make_allocator(int device, const config& settings) {
   return std::make_unique<allocator_type>(cuda_provider(device), cuda_reserver(device), settings);
+}
+
+/// The device's memory (cuDeviceTotalMem), what PyTorch's memory fraction is a fraction of; 0
+/// when the driver cannot say.
+std::size_t device_total_bytes(int device) {
+  CUdevice handle{};
+  std::size_t total = 0;
+  if (cuInit(0) != CUDA_SUCCESS || cuDeviceGet(&handle, device) != CUDA_SUCCESS ||
+      cuDeviceTotalMem(&total, handle) != CUDA_SUCCESS) {
+    return 0;
+  }
+  return total;
 }
 
 #endif
@@ -222,6 +238,26 @@ GLAKE_TORCH_API void glake_empty_cache(int device) {
 }
 
 GLAKE_TORCH_API void glake_empty_cache_all(void) { glake_empty_cache(-1); }
+
+GLAKE_TORCH_API void glake_set_memory_fraction(double fraction, int device) {
+  try {
+    if (!(fraction >= 0.0 && fraction <= 1.0)) {
+      std::fprintf(stderr, "glake: memory fraction %g for device %d is not within [0, 1]; ignored\n", fraction, device);
+      return;
+    }
+    const std::size_t total = device_total_bytes(device);
+    if (total == 0) {
+      std::fprintf(stderr, "glake: the size of device %d is unknown; memory fraction %g ignored\n", device, fraction);
+      return;
+    }
+    // 1.0 is the whole device: no limit beyond the device's own.
+    const auto bytes = fraction >= 1.0 ? std::size_t{0} : static_cast<std::size_t>(fraction * static_cast<double>(total));
+    // A fraction of 0 is PyTorch's "nothing may be allocated": the smallest limit there is (0
+    // would mean none).
+    plugin().set_memory_limit(device, bytes == 0 && fraction < 1.0 ? 1 : bytes);
+  } catch (...) {
+  }
+}
 
 GLAKE_TORCH_API void glake_reset_peak(int device) {
   try {

@@ -56,6 +56,11 @@ GLAKE_TORCH_API void glake_empty_cache_all(void);
 /* Peaks are measured from now on (on `device`, or every device when negative). */
 GLAKE_TORCH_API void glake_reset_peak(int device);
 
+/* PyTorch's set_memory_fraction_fn: from now on `device` holds at most `fraction` (0..1) of its
+   memory (1: the whole device); cached memory above it is released at once. Makes the device's
+   allocator if needed. A fraction outside [0, 1] is refused with one line on stderr. */
+GLAKE_TORCH_API void glake_set_memory_fraction(double fraction, int device);
+
 /* Writes up to `capacity` statistics of `device` into `values`, in the order glake_stats_names
  * gives, and returns how many there are (0 for a device id out of range). A device without an
  * allocator yet reads as zeros. */

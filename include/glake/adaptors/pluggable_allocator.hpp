@@ -363,6 +363,25 @@ class pluggable_allocator {
     });
   }
 
+  /// Holds `device`'s physical memory to `bytes` from now on (0: no limit; the allocator's
+  /// set_memory_limit), making its allocator if it has none yet, so a limit set before the first
+  /// allocation holds from the start. False, logged, when the device id is out of range or the
+  /// allocator could not be made.
+  bool set_memory_limit(int device, std::size_t bytes) noexcept
+    requires memory_limiting_allocator<Allocator>
+  {
+    try {
+      DeviceScope scope(device);
+      slot& s = registry_.for_device(device);
+      s.allocator->set_memory_limit(bytes);
+      if (s.trace) s.trace->reserved(s.allocator->reserved_bytes());
+      return true;
+    } catch (const std::exception& e) {
+      error("glake: setting the memory limit of device %d to %zu bytes failed: %s", device, bytes, e.what());
+      return false;
+    }
+  }
+
   /// From now on, peaks are measured from the current values (on `device`, or all when negative).
   void reset_peak(int device) noexcept {
     each_device(device, "resetting peaks", [](slot& s) {

@@ -408,5 +408,6 @@ static_assert(owning_allocator<caching_allocator<detail::segment_source_archetyp
 static_assert(cache_releasing_allocator<caching_allocator<detail::segment_source_archetype>>);
 static_assert(peak_resetting_allocator<caching_allocator<detail::segment_source_archetype>>);
 static_assert(!stream_recording_allocator<caching_allocator<detail::segment_source_archetype>>);
+static_assert(!memory_limiting_allocator<caching_allocator<detail::segment_source_archetype>>);
 
 }  // namespace glake

@@ -88,7 +88,8 @@ concept allocator = requires(A& a, const A& ca, void* p, std::size_t n, stream_r
 //
 // Which model has which:
 //   caching_allocator         owning, cache_releasing, peak_resetting
-//   stitching_allocator       owning, cache_releasing, peak_resetting, stream_recording
+//   stitching_allocator       owning, cache_releasing, peak_resetting, stream_recording,
+//                             memory_limiting
 //   segregator<Small, Large>  each one that both parts have; stream_recording only when both
 //                             parts are also owning (record_stream names no size, so owns is
 //                             how it finds the part)
@@ -126,6 +127,21 @@ concept cache_releasing_allocator = allocator<A> && requires(A& a) {
 template <class A>
 concept peak_resetting_allocator = allocator<A> && requires(A& a) {
   { a.reset_peaks() } -> std::same_as<statistics>;
+};
+
+// memory_limiting_allocator
+//
+// | expression            | returns     | throws        | meaning
+// |-----------------------|-------------|---------------|------------------------------------------
+// | a.set_memory_limit(n) | void        | driver errors | at most n physical bytes from now on (0:
+// |                       |             |               | none); above it, cached memory goes back
+// |                       |             |               | at once and growth waits for frees; live
+// |                       |             |               | allocations stay valid
+// | ca.memory_limit()     | std::size_t | no            | the limit in force (0: none)
+template <class A>
+concept memory_limiting_allocator = allocator<A> && requires(A& a, const A& ca, std::size_t n) {
+  { a.set_memory_limit(n) } -> std::same_as<void>;
+  { ca.memory_limit() } -> std::same_as<std::size_t>;
 };
 
 // stream_recording_allocator

@@ -177,16 +177,38 @@ class stitching_allocator {
   /// (PyTorch's empty_cache).
   void release_cached() {
     std::lock_guard guard(lock_);
-    finish_deferred(true);
-    evict_stitches(~std::size_t{0}, true);
-    small_.release_free_segments(~std::size_t{0});
-    release_free_segments(~std::size_t{0});
+    release_cached_locked();
+  }
+
+  /// Physical memory is held up to `bytes` from now on (0: no limit; PyTorch's
+  /// set_per_process_memory_fraction). When more is held than the new limit, cached memory is
+  /// released at once; live allocations stay valid, and growth is refused until enough of them
+  /// is freed. settings().memory_limit follows.
+  void set_memory_limit(std::size_t bytes) {
+    std::lock_guard guard(lock_);
+    pool_.backend().set_memory_limit(bytes);
+    config_.memory_limit = bytes;
+    if (bytes != 0 && pool_.backend().physical_bytes() > bytes) release_cached_locked();
+  }
+  std::size_t memory_limit() const {
+    std::lock_guard guard(lock_);
+    return pool_.backend().memory_limit();
   }
 
   statistics stats() const {
     std::lock_guard guard(lock_);
     return stats_locked();
   }
+
+ private:
+  void release_cached_locked() {
+    finish_deferred(true);
+    evict_stitches(~std::size_t{0}, true);
+    small_.release_free_segments(~std::size_t{0});
+    release_free_segments(~std::size_t{0});
+  }
+
+ public:
 
   /// Peaks (active, allocated, reserved) start again from the current values; returns the
   /// statistics as they were just before, so no peak between reading and resetting is lost.
@@ -619,6 +641,7 @@ class stitching_allocator {
 };
 
 static_assert(stream_recording_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
+static_assert(memory_limiting_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
 static_assert(owning_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
 static_assert(cache_releasing_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
 static_assert(peak_resetting_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);

@@ -80,6 +80,9 @@ class vmm_backend {
   }
   std::size_t physical_bytes() const noexcept { return physical_bytes_; }
   std::size_t memory_limit() const noexcept { return limit_; }
+  /// From now on at most `bytes` physical bytes (0: no limit). What is held already stays, even
+  /// above the new limit; may_add refuses until enough is given back.
+  void set_memory_limit(std::size_t bytes) noexcept { limit_ = bytes; }
   /// The most physical bytes this backend can ever hold: the memory limit or the provider's
   /// capacity (capacity_reporting_provider), whichever is smaller, and never above
   /// address_space_ceiling. A request above it can never be served.
@@ -88,7 +91,7 @@ class vmm_backend {
   /// less what is held, or above capacity(). O(1), so callers ask before any work proportional
   /// to `bytes`; true does not promise that the provider has the memory.
   bool may_add(std::size_t bytes) const noexcept {
-    if (limit_ != 0 && bytes > limit_ - physical_bytes_) return false;
+    if (limit_ != 0 && (physical_bytes_ >= limit_ || bytes > limit_ - physical_bytes_)) return false;
     return bytes <= capacity();
   }
   const driver_call_counts& calls() const noexcept { return meter_.counts(); }

@@ -48,6 +48,7 @@ __all__ = [
     "memory_reserved",
     "max_memory_reserved",
     "use_in_torch_cuda",
+    "set_memory_fraction",
 ]
 
 LIBRARY_NAME = "libglake_torch.so"
@@ -115,6 +116,8 @@ def load(library=None):
     lib.glake_empty_cache.argtypes = [ctypes.c_int]
     lib.glake_empty_cache_all.restype = None
     lib.glake_empty_cache_all.argtypes = []
+    lib.glake_set_memory_fraction.restype = None
+    lib.glake_set_memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
     lib.glake_reset_peak.restype = None
     lib.glake_reset_peak.argtypes = [ctypes.c_int]
     lib.glake_stats.restype = ctypes.c_size_t
@@ -221,6 +224,9 @@ def _install_hooks(torch, allocator, lib):
         torch.cuda.empty_cache = empty_cache
         torch.cuda.memory.empty_cache = empty_cache
         installed["empty_cache"] = "wrapped torch.cuda.empty_cache (no set_reset_fn in this PyTorch)"
+    if hasattr(raw, "set_memory_fraction_fn"):
+        raw.set_memory_fraction_fn(_function_pointer(lib, "glake_set_memory_fraction"))
+        installed["memory_fraction"] = "set_memory_fraction_fn"
     if hasattr(raw, "set_record_stream_fn"):
         raw.set_record_stream_fn(_function_pointer(lib, "glake_record_stream"))
         installed["record_stream"] = "set_record_stream_fn"
@@ -285,6 +291,15 @@ def host_time():
 def empty_cache(device=None):
     """Releases glake's cached memory on `device`, or on every device when None."""
     load().glake_empty_cache(-1 if device is None else _device_index(device))
+
+
+def set_memory_fraction(fraction, device=None):
+    """As torch.cuda.set_per_process_memory_fraction, which calls it once enable() has installed
+    it (hooks()["memory_fraction"]): glake holds at most `fraction` (0..1) of `device`'s memory
+    from now on, releasing cached memory above it at once (1: the whole device)."""
+    if not 0.0 <= float(fraction) <= 1.0:
+        raise ValueError(f"glake_torch: memory fraction {fraction!r} is not within [0, 1]")
+    load().glake_set_memory_fraction(ctypes.c_double(float(fraction)), _device_index(device))
 
 
 def reset_peak_stats(device=None):

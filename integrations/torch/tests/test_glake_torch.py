@@ -354,6 +354,28 @@ class Statistics(unittest.TestCase):
             self.assertEqual(cuda.max_memory_reserved(device), glake_torch.stats(device)["peak_reserved_bytes"])
         lib.glake_free(b, 1000, device, None)
 
+    def test_memory_fraction_limits_what_a_device_holds(self):
+        lib, device = self.lib, 8
+        glake_torch.set_memory_fraction(0.01, device)  # 1% of the simulated 80 GiB: 819 MiB
+        self.assertIsNone(lib.glake_malloc(900 * MiB, device, None))
+        a = lib.glake_malloc(800 * MiB, device, None)
+        self.assertIsNotNone(a)
+        self.assertIsNone(lib.glake_malloc(64 * MiB, device, None))
+        s = glake_torch.stats(device)
+        self.assertEqual(s["failed_allocations"], 2)
+        self.assertLessEqual(s["reserved_bytes"], 80 * 1024 * MiB // 100)
+        with self.assertRaises(ValueError):
+            glake_torch.set_memory_fraction(1.5, device)
+        glake_torch.set_memory_fraction(1.0, device)  # the whole device again
+        b = lib.glake_malloc(2048 * MiB, device, None)
+        self.assertIsNotNone(b)
+        lib.glake_free(b, 2048 * MiB, device, None)
+        glake_torch.set_memory_fraction(0.0, device)  # nothing more may be had
+        self.assertEqual(glake_torch.stats(device)["reserved_bytes"], 800 * MiB)  # b's cached 2 GiB went back at once
+        self.assertIsNone(lib.glake_malloc(4 * MiB, device, None))
+        lib.glake_free(a, 800 * MiB, device, None)
+        glake_torch.empty_cache(device)
+        self.assertEqual(glake_torch.stats(device)["reserved_bytes"], 0)
 
 HOST_TIME = textwrap.dedent(
     """
