@@ -1,6 +1,7 @@
 // libFuzzer target: bytes decoded into a stream of allocator operations (allocate, deallocate,
-// record_stream, release_cached, injected driver faults, completed events) on the host and
-// simulated backends, with verify(), the statistics and every live block's contents checked.
+// record_stream, release_cached, injected driver faults, completed events, memory limits set at
+// run time) on the host and simulated backends, with verify(), the statistics and every live
+// block's contents checked.
 //
 // The first byte picks one of the compositions in `run_one` (stitching, caching and segregator
 // over host or sim, with or without fault injection or events), the next few bytes its knobs,
@@ -334,7 +335,18 @@ void run_operations(Allocator& allocator, World& world, byte_reader& in) {
         for (const auto& b : live) check_block(b);
         break;
       case 15:
-        if constexpr (requires { allocator.reset_peaks(); }) allocator.reset_peaks();
+        // With the high bit: a new memory limit at run time (what remains held above a lowered
+        // limit stays until freed; the checks below hold either way).
+        if (op & 0x80) {
+          if constexpr (requires { allocator.set_memory_limit(std::size_t{0}); }) {
+            constexpr std::size_t limits[] = {0, 16 * MiB, 64 * MiB, 192 * MiB};
+            const std::size_t limit = limits[in.byte() % 4];
+            allocator.set_memory_limit(limit);
+            GLAKE_FUZZ_CHECK(allocator.memory_limit() == limit, step);
+          }
+        } else if constexpr (requires { allocator.reset_peaks(); }) {
+          allocator.reset_peaks();
+        }
         break;
     }
     if (every_call_armed_for > 0 && --every_call_armed_for == 0) world.faults()->never_fail();
