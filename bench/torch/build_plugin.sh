@@ -38,6 +38,15 @@ fi
 out=${1:-build/torch/libglake_torch.so}
 deps=()
 [[ -d .device-deps/include ]] && deps=(-isystem .device-deps/include)
+# Where python3 imports torch, the plug-in is built against its headers and libc10 (its C++ ABI):
+# out of memory then reaches Python as torch.cuda.OutOfMemoryError. GLAKE_TORCH_C10=0 turns it off.
+c10=()
+if [[ ${GLAKE_TORCH_C10:-1} != 0 ]] &&
+   torch_dir=$(python3 -c "import os, torch; print(os.path.dirname(torch.__file__))" 2>/dev/null); then
+  abi=$(python3 -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))")
+  c10=(-DGLAKE_TORCH_WITH_C10=1 -D_GLIBCXX_USE_CXX11_ABI="$abi" -isystem "$torch_dir/include"
+       -L"$torch_dir/lib" -lc10 -Wl,-rpath,"$torch_dir/lib")
+fi
 mkdir -p "$(dirname "$out")"
 # --exclude-libs,ALL and -Bsymbolic: where the compiler links its C++ runtime statically (the GPU
 # machine's g++ does), the copy inside the plug-in must stay private; exported, its symbols bind
@@ -46,7 +55,9 @@ mkdir -p "$(dirname "$out")"
 # time the real libcuda.so.1 is loaded. GLAKE_CHECKED=1 as in the CMake build: bad frees are caught.
 "$cxx" -std=c++20 -O2 -g -shared -fPIC -fvisibility=hidden -Wall -Wextra -DGLAKE_CHECKED=1 \
   -Iinclude -Iintegrations/torch "${deps[@]}" -isystem "$cuda/include" \
-  integrations/torch/glake_torch.cpp \
+  integrations/torch/glake_torch.cpp "${c10[@]}" \
   -L"$cuda/lib64" -L"$cuda/lib" -L"$cuda/lib64/stubs" -L"$cuda/lib/stubs" -lcuda \
   -Wl,--exclude-libs,ALL -Wl,-Bsymbolic -o "$out"
-echo "built $out ($("$cxx" --version | head -1))"
+note=""
+((${#c10[@]})) && note=", against torch (out of memory is torch.cuda.OutOfMemoryError)"
+echo "built $out ($("$cxx" --version | head -1))$note"

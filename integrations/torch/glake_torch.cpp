@@ -8,6 +8,10 @@
 // %p pid, %r $RANK). Every function is noexcept except glake_torch_malloc (see glake_torch.h).
 #include "glake_torch.h"
 
+#if GLAKE_TORCH_WITH_C10
+#include <c10/util/Exception.h>
+#endif
+
 #include <unistd.h>
 
 #include <array>
@@ -211,7 +215,18 @@ GLAKE_TORCH_API void* glake_malloc(size_t size, int device, CUstream_st* stream)
 
 GLAKE_TORCH_API void* glake_torch_malloc(size_t size, int device, CUstream_st* stream) {
   const timed_call timed;
+#if GLAKE_TORCH_WITH_C10
+  // Built against torch's own headers and libc10: out of memory is c10::OutOfMemoryError, which
+  // PyTorch raises in Python as torch.cuda.OutOfMemoryError, with glake's message.
+  try {
+    return plugin().allocate_or_throw(size, device, stream_ref{stream});
+  } catch (const out_of_memory& e) {
+    throw c10::OutOfMemoryError(c10::SourceLocation{__func__, __FILE__, static_cast<std::uint32_t>(__LINE__)},
+                                e.what());
+  }
+#else
   return plugin().allocate_or_throw(size, device, stream_ref{stream});
+#endif
 }
 
 GLAKE_TORCH_API void glake_free(void* ptr, size_t size, int device, CUstream_st* stream) {

@@ -18,9 +18,11 @@ allocator; stats() gives glake's own, memory_stats() the same under PyTorch's na
 use_in_torch_cuda() makes torch.cuda's own functions answer from glake. Hooks: PyTorch's reset hook (set_reset_fn, which
 torch.cuda.empty_cache() calls) and record_stream hook are set through the allocator object's
 Python bindings where this PyTorch has them; without set_reset_fn, torch.cuda.empty_cache is
-wrapped instead (hooks() says which). Out of memory raises a RuntimeError whose message contains
-"out of memory" (PyTorch does not turn a null from a pluggable allocator into an error, so the
-plug-in's alloc function used here throws; see integrations/torch/README.md).
+wrapped instead (hooks() says which). Out of memory raises torch.cuda.OutOfMemoryError where the
+plug-in was built against torch's libc10 (bench/torch/build_plugin.sh does so where torch
+imports), else a RuntimeError; both say "out of memory" and what glake held (PyTorch does not turn
+a null from a pluggable allocator into an error, so the plug-in's alloc function throws; see
+integrations/torch/README.md).
 
 Nothing here needs torch except enable(); stats(), empty_cache() and reset_peak_stats() work on
 the library alone (load()).
