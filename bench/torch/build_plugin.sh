@@ -10,7 +10,9 @@
 #   bench/torch/build_plugin.sh --allocator-timing   finetune.py --allocator-timing's instrument:
 #                                              build/torch/libglake_allocator_timing.so (needs torch)
 #
-# CUDA_HOME (default /usr/local/cuda) and CXX (default g++) are honoured.
+# CUDA_HOME (default /usr/local/cuda), CXX (default g++), BOOST_INCLUDEDIR (Boost's headers where
+# they are not on the compiler's path) and PYTHON (whose torch, if it imports one; default python3)
+# are honoured.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 cuda=${CUDA_HOME:-/usr/local/cuda}
@@ -36,14 +38,21 @@ if [[ ${1:-} == --allocator-timing ]]; then
   exit 0
 fi
 out=${1:-build/torch/libglake_torch.so}
+python=${PYTHON:-python3}
 deps=()
 [[ -d .device-deps/include ]] && deps=(-isystem .device-deps/include)
+[[ -n ${BOOST_INCLUDEDIR:-} ]] && deps+=(-isystem "$BOOST_INCLUDEDIR")
+if ! echo '#include <boost/intrusive/set.hpp>' | "$cxx" -std=c++20 -x c++ -fsyntax-only "${deps[@]}" - 2>/dev/null; then
+  echo "build_plugin.sh: Boost's headers (boost/intrusive) not found: install them (Debian: libboost-dev)" \
+       "or set BOOST_INCLUDEDIR to the directory holding boost/" >&2
+  exit 1
+fi
 # Where python3 imports torch, the plug-in is built against its headers and libc10 (its C++ ABI):
 # out of memory then reaches Python as torch.cuda.OutOfMemoryError. GLAKE_TORCH_C10=0 turns it off.
 c10=()
 if [[ ${GLAKE_TORCH_C10:-1} != 0 ]] &&
-   torch_dir=$(python3 -c "import os, torch; print(os.path.dirname(torch.__file__))" 2>/dev/null); then
-  abi=$(python3 -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))")
+   torch_dir=$("$python" -c "import os, torch; print(os.path.dirname(torch.__file__))" 2>/dev/null); then
+  abi=$("$python" -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))")
   c10=(-DGLAKE_TORCH_WITH_C10=1 -D_GLIBCXX_USE_CXX11_ABI="$abi" -isystem "$torch_dir/include"
        -L"$torch_dir/lib" -lc10 -Wl,-rpath,"$torch_dir/lib")
 fi

@@ -79,15 +79,19 @@ def _build_tree_candidates(root):
 
 
 def library_path(library=None, root=None):
-    """The plug-in to load: `library`, else $GLAKE_TORCH_LIBRARY, else the newest one in the build
-    tree under `root` (the repository). Raises FileNotFoundError saying where it looked."""
+    """The plug-in to load: `library`, else $GLAKE_TORCH_LIBRARY, else the one installed beside
+    this module (pip install), else the newest one in the build tree under `root` (the
+    repository). Raises FileNotFoundError saying where it looked."""
     for given, origin in ((library, "the library argument"), (os.environ.get("GLAKE_TORCH_LIBRARY"), "GLAKE_TORCH_LIBRARY")):
         if given:
             if not os.path.isfile(given):
                 raise FileNotFoundError(f"glake_torch: {origin} names {given!r}, which is not a file")
             return os.path.abspath(given)
+    packaged = os.path.join(os.path.dirname(os.path.abspath(__file__)), LIBRARY_NAME)
+    if os.path.isfile(packaged):
+        return packaged
     root = _ROOT if root is None else root
-    looked = []
+    looked = [packaged]
     for candidate in _build_tree_candidates(root):
         if os.path.isfile(candidate):
             return os.path.abspath(candidate)
