@@ -42,6 +42,7 @@
 #include "glake/allocators/stitching_allocator.hpp"
 #include "glake/backends/host.hpp"
 #include "glake/policies/locking.hpp"
+#include "support/rmm_scope.hpp"
 
 using namespace glake;
 
@@ -71,31 +72,8 @@ resource make_resource(std::size_t memory_limit = 0, std::size_t capacity = 1024
                                                                          host_reserver(2 * MiB), cfg);
 }
 
-// Sets `r` as RMM's current device resource for one scope, and puts the previous one back.
-class current_device_resource {
- public:
-  explicit current_device_resource(device_resource r) : previous_(rmm::mr::set_current_device_resource(std::move(r))) {}
-  ~current_device_resource() { rmm::mr::set_current_device_resource(std::move(previous_)); }
-  current_device_resource(const current_device_resource&) = delete;
-  current_device_resource& operator=(const current_device_resource&) = delete;
-
- private:
-  device_resource previous_;
-};
-
-// What a failure callback sees and does: counts its calls and frees one of `spill` per call (as a
-// spilling framework would), saying "retry" while it freed something.
-struct spiller {
-  std::vector<rmm::device_buffer> spill;
-  std::vector<std::size_t> requested;
-  static bool callback(std::size_t bytes, void* arg) {
-    auto* self = static_cast<spiller*>(arg);
-    self->requested.push_back(bytes);
-    if (self->spill.empty()) return false;
-    self->spill.pop_back();
-    return true;
-  }
-};
+using testing::current_device_resource;
+using testing::spiller;
 
 }  // namespace
 

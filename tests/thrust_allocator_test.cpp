@@ -28,6 +28,7 @@
 #include "glake/allocators/stitching_allocator.hpp"
 #include "glake/backends/host.hpp"
 #include "glake/backends/sim.hpp"
+#include "support/thrust_growth.hpp"
 
 static_assert(THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CPP, "this test runs thrust on the host");
 
@@ -66,19 +67,7 @@ TEST_CASE("thrust_allocator: a device_vector growing to 4 Mi elements takes ever
   {
     vector_of<std::uint32_t> v{thrust_allocator<std::uint32_t, host_stitching>(allocator, stream_ref{7})};
     CHECK(allocator.stats().active_bytes == 0);
-    for (std::uint32_t i = 0; i < 1000; ++i) v.push_back(i);
-    CHECK(allocator.stats().active_bytes == v.capacity() * sizeof(std::uint32_t));
-    int reallocations = 0;
-    while (v.size() < target) {
-      const std::size_t old_size = v.size();
-      const std::size_t old_capacity = v.capacity();
-      v.resize(std::min(target, old_size + old_size / 2 + 1));
-      thrust::sequence(v.begin() + static_cast<std::ptrdiff_t>(old_size), v.end(), static_cast<std::uint32_t>(old_size));
-      CAPTURE(v.size());
-      CHECK(allocator.stats().active_bytes == v.capacity() * sizeof(std::uint32_t));
-      CHECK(allocator.stats().allocations - allocator.stats().deallocations == 1);  // one live block
-      reallocations += v.capacity() != old_capacity;
-    }
+    const int reallocations = testing::grow_checked(v, allocator, target);
     CHECK(reallocations >= 8);
     CHECK(thrust::equal(v.begin(), v.end(), thrust::counting_iterator<std::uint32_t>(0)));  // copies kept the data
     v.shrink_to_fit();

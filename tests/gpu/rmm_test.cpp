@@ -31,6 +31,7 @@
 #include "glake/allocators/stitching_allocator.hpp"
 #include "glake/backends/cuda.hpp"
 #include "glake/policies/locking.hpp"
+#include "../support/rmm_scope.hpp"
 
 namespace {
 
@@ -53,28 +54,8 @@ resource make_resource(std::size_t memory_limit = 0, std::size_t max_handle = 0)
   return make_rmm_resource<cuda_stitching>(cuda_provider(0), cuda_reserver(0), cfg);
 }
 
-class current_device_resource {
- public:
-  explicit current_device_resource(device_resource r) : previous_(rmm::mr::set_current_device_resource(std::move(r))) {}
-  ~current_device_resource() { rmm::mr::set_current_device_resource(std::move(previous_)); }
-  current_device_resource(const current_device_resource&) = delete;
-  current_device_resource& operator=(const current_device_resource&) = delete;
-
- private:
-  device_resource previous_;
-};
-
-struct spiller {
-  std::vector<rmm::device_buffer> spill;
-  std::vector<std::size_t> requested;
-  static bool callback(std::size_t bytes, void* arg) {
-    auto* self = static_cast<spiller*>(arg);
-    self->requested.push_back(bytes);
-    if (self->spill.empty()) return false;
-    self->spill.pop_back();
-    return true;
-  }
-};
+using testing::current_device_resource;
+using testing::spiller;
 
 cuda::stream_ref ref(const rmm::cuda_stream& stream) { return stream; }
 

@@ -26,6 +26,7 @@
 #include "glake/adaptors/thrust_allocator.hpp"
 #include "glake/allocators/stitching_allocator.hpp"
 #include "glake/backends/cuda.hpp"
+#include "../support/thrust_growth.hpp"
 
 namespace {
 
@@ -86,19 +87,7 @@ TEST_CASE("gpu: thrust device_vector grows to 64 Mi elements taking every byte f
   {
     glake_vector<std::uint32_t> v{thrust_allocator<std::uint32_t, cuda_stitching>(allocator, stream_ref{stream.s})};
     CHECK(allocator.stats().active_bytes == 0);
-    for (std::uint32_t i = 0; i < 1000; ++i) v.push_back(i);  // one element at a time
-    CHECK(allocator.stats().active_bytes == v.capacity() * sizeof(std::uint32_t));
-    int reallocations = 0;
-    while (v.size() < target) {  // then in steps of half the size
-      const std::size_t old_size = v.size();
-      const std::size_t old_capacity = v.capacity();
-      v.resize(std::min(target, old_size + old_size / 2 + 1));
-      thrust::sequence(v.begin() + static_cast<std::ptrdiff_t>(old_size), v.end(), static_cast<std::uint32_t>(old_size));
-      CAPTURE(v.size());
-      CHECK(allocator.stats().active_bytes == v.capacity() * sizeof(std::uint32_t));
-      CHECK(allocator.stats().allocations - allocator.stats().deallocations == 1);  // one live block
-      reallocations += v.capacity() != old_capacity;
-    }
+    const int reallocations = testing::grow_checked(v, allocator, target);
     CHECK(reallocations >= 8);
     std::vector<std::uint32_t> host(v.size());
     thrust::copy(v.begin(), v.end(), host.begin());  // every element survived the copies on growth
