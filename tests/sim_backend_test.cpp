@@ -370,3 +370,45 @@ TEST_CASE("sim_provider and sim_reserver are thin views of one device") {
   provider.release(*handle);
   CHECK(device.physical_bytes() == 0);
 }
+
+TEST_CASE("sim_device: the host tier is mapped like device memory and counted apart") {
+  glake::sim_device gpu(8 * glake::MiB, 2 * glake::MiB, 4 * glake::MiB);
+  glake::sim_provider device(gpu);
+  glake::sim_host_provider host(gpu);
+  glake::sim_reserver reserver(gpu);
+  CHECK(host.capacity() == 4 * glake::MiB);
+  const auto h = host.try_create(4 * glake::MiB);
+  REQUIRE(h);
+  CHECK(gpu.host_bytes() == 4 * glake::MiB);
+  CHECK(gpu.physical_bytes() == 0);
+  CHECK(gpu.is_host(*h) == true);
+  CHECK_FALSE(host.try_create(2 * glake::MiB));  // the host capacity is spent
+  const auto d = device.try_create(2 * glake::MiB);
+  REQUIRE(d);
+  CHECK(gpu.is_host(*d) == false);
+  void* at = reserver.try_reserve(6 * glake::MiB);
+  REQUIRE(reserver.try_map(at, 4 * glake::MiB, *h));
+  void* tail = static_cast<char*>(at) + 4 * glake::MiB;
+  REQUIRE(reserver.try_map(tail, 2 * glake::MiB, *d));
+
+  // A copy needs access set on both sides, and disjoint ranges.
+  glake::sim_copier copier(gpu);
+  CHECK_THROWS_AS(copier.copy(tail, at, 2 * glake::MiB, glake::default_stream), glake::usage_error);
+  REQUIRE(reserver.try_set_access(at, 6 * glake::MiB));
+  copier.copy(tail, at, 2 * glake::MiB, glake::default_stream);
+  CHECK(gpu.copies() == 1);
+  CHECK(gpu.copied_bytes() == 2 * glake::MiB);
+  CHECK_THROWS_AS(copier.copy(at, static_cast<char*>(at) + glake::MiB, 2 * glake::MiB, glake::default_stream),
+                  glake::usage_error);
+  CHECK_THROWS_AS(copier.copy(tail, at, 4 * glake::MiB, glake::default_stream), glake::usage_error);  // runs off the end
+  const auto violations = gpu.violations();
+  CHECK(violations == 3);
+  reserver.unmap(at, 4 * glake::MiB);
+  reserver.unmap(tail, 2 * glake::MiB);
+  reserver.free(at, 6 * glake::MiB);
+  host.release(*h);
+  device.release(*d);
+  CHECK(gpu.host_bytes() == 0);
+  CHECK(gpu.physical_bytes() == 0);
+  CHECK(gpu.violations() == violations);
+}

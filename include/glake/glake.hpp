@@ -19,6 +19,8 @@
 #include "glake/backends/sim.hpp"
 #include "glake/config.hpp"
 #include "glake/errors.hpp"
+#include "glake/movers/concepts.hpp"
+#include "glake/movers/virtual_buffer.hpp"
 #include "glake/policies/admission.hpp"
 #include "glake/policies/eviction.hpp"
 #include "glake/policies/growth.hpp"

@@ -158,6 +158,37 @@ concept stream_ordered_reserver =
       { r.synchronize_device() } noexcept;
     };
 
+// ---------------------------------------------------------------------------------------------
+// byte_copier
+//
+// Copies bytes between two accessible mapped ranges of one backend, ordered on a stream: the
+// mover that takes memory from one handle to another (offload to far memory and back). A
+// backend without asynchronous work copies at once; a CUDA copier queues the copy after the
+// work already queued on the stream, and whoever must know it completed records an event there
+// (stream_ordered_reserver) after it.
+//
+// | expression            | returns | throws                    | meaning
+// |-----------------------|---------|---------------------------|--------------------------------
+// | c.copy(d, s, n, st)   | void    | driver_error, usage_error | n bytes from s to d, ordered on
+// |                       |         |                           | stream st; the ranges are mapped,
+// |                       |         |                           | accessible and do not overlap
+// | C::synchronous        | bool    | (constexpr)               | the copy is done when copy returns
+//
+// A copier that is not synchronous must be used with a stream_ordered_reserver, whose events
+// tell when a copy is done (users check it with copier_fits_reserver).
+// Smallest model: host_copier in backends/host.hpp (memcpy).
+// ---------------------------------------------------------------------------------------------
+template <class C>
+concept byte_copier = requires(C& c, void* to, const void* from, std::size_t bytes, stream_ref stream) {
+  { c.copy(to, from, bytes, stream) } -> std::same_as<void>;
+  { std::bool_constant<C::synchronous>{} };
+};
+
+/// Whether something that copies with C and unmaps with R can know when a copy is done: C copies
+/// synchronously, or R has events.
+template <class C, class R>
+concept copier_fits_reserver = byte_copier<C> && (C::synchronous || stream_ordered_reserver<R>);
+
 /// A reserver that maps the handles a given provider creates.
 template <class R, class P>
 concept address_reserver_for = physical_provider<P> && address_reserver<R> &&

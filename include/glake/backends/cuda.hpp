@@ -134,6 +134,83 @@ class cuda_provider {
 static_assert(physical_provider<cuda_provider>);
 static_assert(capacity_reporting_provider<cuda_provider>);
 
+/// Physical host memory for the device's far tier: pinned pages on a host NUMA node, made with
+/// cuMemCreate (CU_MEM_LOCATION_TYPE_HOST_NUMA) and mapped by a cuda_reserver into the device's
+/// address space like device handles, so the GPU reads and writes them over the bus through the
+/// same virtual addresses (what stable-address offload swaps in). The node is the device's own
+/// (CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID) unless named; a machine without NUMA reports none and gets 0.
+/// Creating a handle pins its pages, which costs far more than a device handle: keep handles
+/// for reuse (virtual_buffer does). Thread safety: the driver's; the object is immutable.
+class cuda_host_provider {
+ public:
+  using handle_type = CUmemGenericAllocationHandle;
+
+  explicit cuda_host_provider(int device = 0, int numa_node = -1) : device_(device), node_(numa_node) {
+    detail::cuda_check(cuInit(0), "cuInit");
+    CUdevice dev{};
+    detail::cuda_check(cuDeviceGet(&dev, device), "cuDeviceGet");
+    if (node_ < 0) {
+      int id = -1;
+      if (cuDeviceGetAttribute(&id, CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, dev) != CUDA_SUCCESS || id < 0) id = 0;
+      node_ = id;
+    }
+    const CUmemAllocationProp prop = properties();
+    detail::cuda_check(cuMemGetAllocationGranularity(&granularity_, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+                       "cuMemGetAllocationGranularity(HOST_NUMA)");
+  }
+
+  std::size_t granularity() const noexcept { return granularity_; }
+  static constexpr memory_location location() noexcept { return memory_location::host; }
+  int device() const noexcept { return device_; }
+  int numa_node() const noexcept { return node_; }
+
+  std::optional<handle_type> try_create(std::size_t bytes) {
+    if (bytes == 0 || bytes % granularity_ != 0) {
+      throw usage_error(usage_error::kind::bad_argument,
+                        "cuda_host_provider::try_create: " + std::to_string(bytes) +
+                            " bytes is not a positive multiple of the granularity " + std::to_string(granularity_));
+    }
+    handle_type handle{};
+    const CUmemAllocationProp prop = properties();
+    const CUresult result = cuMemCreate(&handle, bytes, &prop, 0);
+    if (detail::cuda_out_of_memory(result)) return std::nullopt;
+    detail::cuda_check(result, "cuMemCreate(HOST_NUMA)");
+    return handle;
+  }
+
+  void release(handle_type handle) noexcept { (void)cuMemRelease(handle); }
+
+  friend bool operator==(const cuda_host_provider&, const cuda_host_provider&) noexcept = default;
+
+ private:
+  CUmemAllocationProp properties() const noexcept {
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+    prop.location.id = node_;
+    return prop;
+  }
+
+  int device_;
+  int node_;
+  std::size_t granularity_ = 0;
+};
+static_assert(physical_provider<cuda_host_provider>);
+
+/// The byte_copier of the CUDA backend: cuMemcpyAsync on the stream, between any two ranges of
+/// the unified address space (device or host-NUMA handles mapped by a cuda_reserver, pinned or
+/// pageable host memory). It returns once the copy is queued.
+struct cuda_copier {
+  static constexpr bool synchronous = false;
+  void copy(void* to, const void* from, std::size_t bytes, stream_ref stream) const {
+    if (bytes == 0) return;
+    detail::cuda_check(cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(to), reinterpret_cast<CUdeviceptr>(from), bytes,
+                                     stream.as<CUstream_st>()),
+                       "cuMemcpyAsync");
+  }
+};
+static_assert(byte_copier<cuda_copier>);
+
 /// Virtual address ranges on the device's address space. Access is granted read-write to the
 /// owning device and to each peer device named at construction (peer access on request).
 /// Thread safety: the driver's; the object is immutable after construction.
@@ -260,6 +337,7 @@ class cuda_reserver {
   std::shared_ptr<event_pool> events_ = std::make_shared<event_pool>();
 };
 static_assert(address_reserver_for<cuda_reserver, cuda_provider>);
+static_assert(address_reserver_for<cuda_reserver, cuda_host_provider>);
 static_assert(stream_ordered_reserver<cuda_reserver>);
 
 }  // namespace glake

@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <iterator>
 #include <limits>
 #include <memory>
@@ -633,5 +634,16 @@ class host_reserver {
   std::shared_ptr<detail::failure_record> failures_;
 };
 static_assert(address_reserver_for<host_reserver, host_provider>);
+
+/// The byte_copier of the host backend: memcpy, at once (host memory has no queued work, so the
+/// stream is only a name). A far tier on the host backend is a second host_provider (its own
+/// memory file and capacity) whose handles the same host_reserver maps.
+struct host_copier {
+  static constexpr bool synchronous = true;
+  void copy(void* to, const void* from, std::size_t bytes, stream_ref) const noexcept {
+    if (bytes != 0) std::memcpy(to, from, bytes);
+  }
+};
+static_assert(byte_copier<host_copier>);
 
 }  // namespace glake

@@ -2,6 +2,7 @@
 // workload while every CUDA virtual memory rule is checked and every driver call is counted.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -60,9 +61,10 @@ class sim_device {
   static constexpr std::uintptr_t address_base = std::uintptr_t{1} << 44;
   static constexpr std::uintptr_t address_limit = std::uintptr_t{1} << 47;
 
-  /// Throws usage_error when granularity is not a power of two.
-  explicit sim_device(std::size_t capacity_bytes, std::size_t granularity = 2 * MiB)
-      : capacity_(capacity_bytes), granularity_(granularity) {
+  /// Throws usage_error when granularity is not a power of two. `host_capacity` bounds the
+  /// handles of its host tier (sim_host_provider; 0: unlimited).
+  explicit sim_device(std::size_t capacity_bytes, std::size_t granularity = 2 * MiB, std::size_t host_capacity = 0)
+      : capacity_(capacity_bytes), granularity_(granularity), host_capacity_(host_capacity) {
     if (granularity == 0 || (granularity & (granularity - 1)) != 0) {
       throw usage_error(usage_error::kind::bad_argument,
                         "glake::sim_device: granularity " + std::to_string(granularity) +
@@ -81,8 +83,21 @@ class sim_device {
     check_size("try_create", bytes);
     if (bytes > capacity_ - physical_bytes_) return std::nullopt;
     const std::uint64_t id = next_handle_id_++;
-    handles_.emplace(id, handle_info{bytes, 0});
+    handles_.emplace(id, handle_info{bytes, 0, false});
     physical_bytes_ += bytes;
+    return sim_handle{id};
+  }
+
+  /// A handle of the host tier (CUDA's host-NUMA cuMemCreate): mapped like any other, counted
+  /// in host_bytes(), not physical_bytes(). Empty when the host capacity would be exceeded.
+  std::optional<sim_handle> try_create_host(std::size_t bytes) {
+    std::lock_guard lock(mutex_);
+    ++calls_[driver_call::create];
+    check_size("try_create_host", bytes);
+    if (host_capacity_ != 0 && bytes > host_capacity_ - host_bytes_) return std::nullopt;
+    const std::uint64_t id = next_handle_id_++;
+    handles_.emplace(id, handle_info{bytes, 0, true});
+    host_bytes_ += bytes;
     return sim_handle{id};
   }
 
@@ -99,7 +114,7 @@ class sim_device {
                     std::to_string(it->second.mappings) +
                     " mapping(s) (a handle is released only when it has no mappings)");
     }
-    physical_bytes_ -= it->second.bytes;
+    (it->second.host ? host_bytes_ : physical_bytes_) -= it->second.bytes;
     handles_.erase(it);
   }
 
@@ -226,6 +241,45 @@ class sim_device {
 
   std::size_t granularity() const noexcept { return granularity_; }
   std::size_t capacity() const noexcept { return capacity_; }
+  /// 0: unlimited.
+  std::size_t host_capacity() const noexcept { return host_capacity_; }
+  /// Bytes of live host-tier handles.
+  std::size_t host_bytes() const {
+    std::lock_guard lock(mutex_);
+    return host_bytes_;
+  }
+  /// Whether the live handle `handle` is of the host tier; empty for an unknown handle.
+  std::optional<bool> is_host(sim_handle handle) const {
+    std::lock_guard lock(mutex_);
+    const auto it = handles_.find(handle.id);
+    if (it == handles_.end()) return std::nullopt;
+    return it->second.host;
+  }
+
+  /// A copy of `bytes` from `from` to `to` (sim_copier): both ranges must lie in accessible
+  /// mappings and must not overlap; otherwise a usage_error names the rule. Counted in copies()
+  /// and copied_bytes(). O(log n + k) over the k mappings the ranges cross.
+  void copy(void* to, const void* from, std::size_t bytes) {
+    std::lock_guard lock(mutex_);
+    if (bytes == 0) return;
+    check_accessible("copy (destination)", to_address(to), bytes);
+    check_accessible("copy (source)", to_address(from), bytes);
+    const std::uintptr_t a = to_address(to), b = to_address(from);
+    if ((a < b ? b - a : a - b) < bytes) {
+      reject("copy: [" + hex(a) + ", +" + std::to_string(bytes) + ") and [" + hex(b) +
+             ", ...) overlap (a copy's ranges are disjoint)");
+    }
+    ++copies_;
+    copied_bytes_ += bytes;
+  }
+  std::uint64_t copies() const {
+    std::lock_guard lock(mutex_);
+    return copies_;
+  }
+  std::uint64_t copied_bytes() const {
+    std::lock_guard lock(mutex_);
+    return copied_bytes_;
+  }
 
   /// Bytes of live handles.
   std::size_t physical_bytes() const {
@@ -282,6 +336,7 @@ class sim_device {
   struct handle_info {
     std::size_t bytes;
     std::size_t mappings;
+    bool host;
   };
   struct mapping_info {
     std::uint64_t handle;
@@ -334,6 +389,28 @@ class sim_device {
     }
   }
 
+  // Every byte of [address, address + bytes) lies in a mapping with access set.
+  void check_accessible(const char* call, std::uintptr_t address, std::size_t bytes) {
+    auto it = mappings_.upper_bound(address);
+    if (it == mappings_.begin()) reject(std::string(call) + ": " + hex(address) + " is not mapped");
+    --it;
+    std::uintptr_t at = address;
+    std::size_t remaining = bytes;
+    while (remaining != 0) {
+      if (it == mappings_.end() || at - it->first >= it->second.bytes) {
+        reject(std::string(call) + ": " + hex(at) + " is not mapped (a copy reads and writes mapped memory)");
+      }
+      if (!it->second.accessible) {
+        reject(std::string(call) + ": the mapping at " + hex(it->first) +
+               " has no access set (memory is accessible only after set_access)");
+      }
+      const std::size_t here = std::min(remaining, it->second.bytes - (at - it->first));
+      at += here;
+      remaining -= here;
+      ++it;
+    }
+  }
+
   // The start of a mapping that overlaps [address, address + bytes), if any.
   std::optional<std::uintptr_t> overlapping_mapping(std::uintptr_t address,
                                                     std::size_t bytes) const {
@@ -378,7 +455,11 @@ class sim_device {
   mutable std::mutex mutex_;
   const std::size_t capacity_;
   const std::size_t granularity_;
+  const std::size_t host_capacity_;
   std::size_t physical_bytes_ = 0;
+  std::size_t host_bytes_ = 0;
+  std::uint64_t copies_ = 0;
+  std::uint64_t copied_bytes_ = 0;
   std::size_t reserved_bytes_ = 0;
   std::uint64_t next_handle_id_ = 1;
   std::uintptr_t next_address_ = address_base;
@@ -439,5 +520,44 @@ class sim_reserver {
   sim_device* device_;
 };
 static_assert(address_reserver_for<sim_reserver, sim_provider>);
+
+/// The host tier of a sim_device (what cuda_host_provider is on a GPU): its handles count
+/// against the device's host capacity and are mapped by the device's sim_reserver like any other.
+class sim_host_provider {
+ public:
+  using handle_type = sim_handle;
+
+  explicit sim_host_provider(sim_device& device) noexcept : device_(&device) {}
+
+  std::size_t granularity() const noexcept { return device_->granularity(); }
+  static constexpr memory_location location() noexcept { return memory_location::simulated; }
+  /// The device's host capacity (0: unlimited).
+  std::size_t capacity() const noexcept { return device_->host_capacity(); }
+  std::optional<handle_type> try_create(std::size_t bytes) { return device_->try_create_host(bytes); }
+  void release(handle_type handle) noexcept { device_->release(handle); }
+
+  sim_device& device() const noexcept { return *device_; }
+  friend bool operator==(const sim_host_provider&, const sim_host_provider&) noexcept = default;
+
+ private:
+  sim_device* device_;
+};
+static_assert(physical_provider<sim_host_provider>);
+static_assert(address_reserver_for<sim_reserver, sim_host_provider>);
+
+/// The byte_copier of a sim_device: no bytes move, but both ranges are checked to be mapped and
+/// accessible (sim_device::copy), so code that copies through unmapped memory fails here as it
+/// would on a GPU.
+class sim_copier {
+ public:
+  static constexpr bool synchronous = true;
+  explicit sim_copier(sim_device& device) noexcept : device_(&device) {}
+  void copy(void* to, const void* from, std::size_t bytes, stream_ref) { device_->copy(to, from, bytes); }
+  sim_device& device() const noexcept { return *device_; }
+
+ private:
+  sim_device* device_;
+};
+static_assert(byte_copier<sim_copier>);
 
 }  // namespace glake

@@ -1,0 +1,66 @@
+// The contract of memory that moves between the device and the host while its addresses stay
+// the same: what offload and prefetch promise, whoever implements them.
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+
+#include "glake/stream.hpp"
+
+namespace glake {
+
+/// Where a piece of tiered memory lives now.
+enum class residence : std::uint8_t {
+  none,    ///< no physical memory (reserved addresses only; reading it faults)
+  device,  ///< the device's own memory
+  host,    ///< host memory mapped at the same addresses: the device reads it over the bus
+};
+
+constexpr const char* to_string(residence r) noexcept {
+  switch (r) {
+    case residence::none: return "none";
+    case residence::device: return "device";
+    case residence::host: return "host";
+  }
+  return "?";
+}
+
+// ---------------------------------------------------------------------------------------------
+// tiered_memory
+//
+// Memory whose physical backing moves between the device and the host in pieces while every
+// pointer into it stays valid. Moves are ordered on a stream: an offload's copy runs after the
+// work queued on its stream, and work queued there afterwards sees the moved memory; memory is
+// never unmapped while work queued on the stream (or on a stream recorded for it) may still
+// touch it. Each call is all-or-nothing: when it throws, every piece is where it was, with its
+// bytes.
+//
+// | expression              | returns   | throws                                   | meaning
+// |-------------------------|-----------|------------------------------------------|---------------------------
+// | m.data()                | void*     | no                                       | the first address; stable
+// | m.size()                | size_t    | no                                       | bytes addressable from data()
+// | m.residence_of(off)     | residence | usage_error (off out of range)           | where the piece holding
+// |                         |           |                                          | byte `off` lives
+// | m.offload(off, n, s)    | void      | out_of_memory (host memory), usage_error | the pieces covering
+// |                         |           | (a piece not on the device), driver_error| [off, off+n) move to the
+// |                         |           |                                          | host; their device memory
+// |                         |           |                                          | is given back
+// | m.prefetch(off, n, s)   | void      | out_of_memory (device memory),           | they move back
+// |                         |           | usage_error (a piece not on the host),   |
+// |                         |           | driver_error                             |
+// | m.record_stream(s)      | void      | no                                       | work on s also uses it
+//
+// Models: virtual_buffer (movers/virtual_buffer.hpp).
+// ---------------------------------------------------------------------------------------------
+template <class M>
+concept tiered_memory = requires(M& m, const M& cm, std::size_t offset, std::size_t bytes, stream_ref stream) {
+  { cm.data() } noexcept -> std::same_as<void*>;
+  { cm.size() } noexcept -> std::same_as<std::size_t>;
+  { cm.residence_of(offset) } -> std::same_as<residence>;
+  { m.offload(offset, bytes, stream) } -> std::same_as<void>;
+  { m.prefetch(offset, bytes, stream) } -> std::same_as<void>;
+  { m.record_stream(stream) } -> std::same_as<void>;
+};
+
+}  // namespace glake
