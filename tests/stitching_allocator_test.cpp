@@ -975,7 +975,7 @@ struct event_record {
 
 }  // namespace
 
-TEST_CASE("visit_state: segments tiled by their blocks, covering the reserved bytes; small blocks in place") {
+TEST_CASE("visit_state: segments tiled by their blocks, covering the reserved bytes, small blocks in place") {
   sim_device device(1 * GiB);
   sim_stitching allocator(sim_provider{device}, sim_reserver{device});
   void* large = allocator.allocate(5 * M + 100);
