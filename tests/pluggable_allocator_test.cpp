@@ -10,6 +10,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <set>
 #include <sstream>
@@ -30,14 +31,18 @@ namespace {
 
 using sim_stitching = stitching_allocator<sim_provider, sim_reserver, best_fit_tail_stitching, lru_eviction, mutex_lock>;
 
-// Devices that outlive the adaptor using them.
+// Devices that outlive the adaptor using them: one per device id, shared by the allocators
+// made for it (the general one and its private pools), as a GPU's memory and addresses are.
 struct sim_devices {
-  std::vector<std::unique_ptr<sim_device>> devices;
+  std::mutex mutex;
+  std::map<int, std::unique_ptr<sim_device>> devices;
   config settings;
   std::function<std::unique_ptr<sim_stitching>(int)> factory() {
-    return [this](int) {
-      devices.push_back(std::make_unique<sim_device>(16 * GiB));
-      return std::make_unique<sim_stitching>(sim_provider{*devices.back()}, sim_reserver{*devices.back()}, settings);
+    return [this](int id) {
+      std::lock_guard guard(mutex);
+      auto& device = devices[id];
+      if (device == nullptr) device = std::make_unique<sim_device>(16 * GiB);
+      return std::make_unique<sim_stitching>(sim_provider{*device}, sim_reserver{*device}, settings);
     };
   }
 };
@@ -389,4 +394,256 @@ TEST_CASE("pluggable_allocator: the trace of several threads is one consistent r
   CHECK(reserved == static_cast<long long>(s.reserved_bytes));
   CHECK(reserved == 0);
   CHECK(read_lines(dir.path + "/trace.dev1").size() == 2 + 4);  // two header lines, S, a, f, U
+}
+
+// ------------------------------------------------------------------ memory history
+
+namespace {
+std::vector<memory_action> actions_of(const std::vector<history_entry>& entries) {
+  std::vector<memory_action> out;
+  for (const auto& e : entries) out.push_back(e.action);
+  return out;
+}
+}  // namespace
+
+TEST_CASE("pluggable_allocator: the memory history is off by default, ordered, bounded, and stops") {
+  using enum memory_action;
+  sim_devices sim;
+  using plugin_type = pluggable_allocator<sim_stitching>;
+  plugin_type plugin(sim.factory(), options_for<plugin_type>(nullptr));
+  plugin.deallocate(plugin.allocate(4 * MiB, 0, default_stream), 4 * MiB, 0, default_stream);
+  CHECK(!plugin.recording_history());
+  CHECK(plugin.history(0).empty());
+
+  REQUIRE(plugin.record_history(true, 100));
+  const stream_ref s{7};
+  void* a = plugin.allocate(3 * MiB, 0, s);   // from the cached segment: no segment entry
+  void* b = plugin.allocate(30 * MiB, 0, s);  // a new segment
+  plugin.deallocate(a, 3 * MiB, 0, s);
+  CHECK(plugin.allocate(std::size_t{1} << 40, 0, s) == nullptr);
+  plugin.release_cached(0);
+  auto h = plugin.history(0);
+  // The first segment, fully free once `a` was freed, went back with release_cached.
+  CHECK(actions_of(h) == std::vector{alloc, segment_alloc, alloc, free_requested, free_completed, oom, segment_free});
+  CHECK(h[0].address == reinterpret_cast<std::uintptr_t>(a));
+  CHECK(h[0].size == 3 * MiB);
+  CHECK(h[0].stream == s);
+  CHECK(h[2].address == reinterpret_cast<std::uintptr_t>(b));
+  CHECK(h[1].size >= 30 * MiB);
+  CHECK(h[3].address == h[0].address);
+  CHECK(h[5].size == std::size_t{1} << 40);
+  for (std::size_t i = 1; i < h.size(); ++i) CHECK(h[i].time_us >= h[i - 1].time_us);
+  CHECK(h[0].time_us > 1'600'000'000'000'000ULL);  // microseconds since the epoch, not since boot
+  CHECK(h[6].size == 4 * MiB);
+  plugin.deallocate(b, 30 * MiB, 0, s);
+  plugin.release_cached(0);
+  h = plugin.history(0);
+  CHECK(h.back().action == segment_free);
+
+  // A free of something not live is not in the history.
+  const std::size_t before = h.size();
+  plugin.deallocate(reinterpret_cast<void*>(0x1000), 8, 0, s);
+  CHECK(plugin.history(0).size() == before);
+
+  // Bounded: the newest entries stay.
+  REQUIRE(plugin.record_history(true, 4));
+  for (int i = 0; i < 5; ++i) plugin.deallocate(plugin.allocate(MiB + i, 0, s), MiB + i, 0, s);
+  h = plugin.history(0);
+  REQUIRE(h.size() == 4);
+  CHECK(actions_of(h) == std::vector{free_completed, alloc, free_requested, free_completed});
+  CHECK(h[1].size == MiB + 4);
+
+  // Stopped: kept, no more entries.
+  plugin.record_history(false, 0);
+  plugin.deallocate(plugin.allocate(MiB, 0, s), MiB, 0, s);
+  CHECK(plugin.history(0).size() == 4);
+}
+
+TEST_CASE("pluggable_allocator: a device made while the history records has one") {
+  using enum memory_action;
+  sim_devices sim;
+  using plugin_type = pluggable_allocator<sim_stitching>;
+  plugin_type plugin(sim.factory(), options_for<plugin_type>(nullptr));
+  REQUIRE(plugin.record_history(true, 10));
+  void* p = plugin.allocate(5 * MiB, 3, default_stream);
+  CHECK(actions_of(plugin.history(3)) == std::vector{segment_alloc, alloc});
+  CHECK(plugin.history(3).back().device == 3);
+  plugin.deallocate(p, 5 * MiB, 3, default_stream);
+}
+
+// ------------------------------------------------------------------ private pools
+
+namespace {
+using pool_plugin = pluggable_allocator<sim_stitching>;
+const stream_ref capture_stream{42}, other_stream{43};
+const pool_plugin::pool_id graph_pool{0, 1};
+pool_plugin::stream_filter only(stream_ref s) {
+  return [s](stream_ref t) { return t == s; };
+}
+}  // namespace
+
+TEST_CASE("pluggable_allocator: private pools serve their capture's stream, keep their blocks, and give memory back") {
+  sim_devices sim;
+  pool_plugin plugin(sim.factory(), options_for<pool_plugin>(nullptr));
+  void* general_before = plugin.allocate(MiB, 0, capture_stream);
+  REQUIRE(plugin.begin_allocate_to_pool(0, graph_pool, only(capture_stream)));
+  CHECK(plugin.pool_count(0) == 1);
+  void* in_pool = plugin.allocate(64 * MiB, 0, capture_stream);
+  void* kept = plugin.allocate(8 * MiB, 0, capture_stream);
+  void* elsewhere = plugin.allocate(64 * MiB, 0, other_stream);  // the filter says no
+  REQUIRE(plugin.pool_stats(0, graph_pool).has_value());
+  CHECK(plugin.pool_stats(0, graph_pool)->allocations == 2);
+  CHECK(plugin.find(0)->stats().allocations == 2);
+  CHECK(plugin.find(0)->owns(elsewhere));
+  CHECK(!plugin.find(0)->owns(in_pool));
+  plugin.deallocate(in_pool, 64 * MiB, 0, capture_stream);  // back to the pool, during capture
+  CHECK(plugin.pool_stats(0, graph_pool)->deallocations == 1);
+  plugin.end_allocate_to_pool(0, graph_pool);
+
+  // After the capture: the same request on the same stream goes to the general allocator, and
+  // the pool's freed block is not handed out.
+  const std::size_t pool_reserved = plugin.pool_stats(0, graph_pool)->reserved_bytes;
+  void* after = plugin.allocate(64 * MiB, 0, capture_stream);
+  CHECK(after != in_pool);
+  CHECK(plugin.find(0)->owns(after));
+  CHECK(plugin.pool_stats(0, graph_pool)->allocations == 2);
+  // empty_cache leaves the pool's memory alone: a graph's replays use it.
+  plugin.release_cached(-1);
+  CHECK(plugin.pool_stats(0, graph_pool)->reserved_bytes == pool_reserved);
+
+  // Statistics: the sums.
+  auto s = stats_of(plugin, 0);
+  CHECK(s.at("reserved_bytes") == plugin.find(0)->stats().reserved_bytes + pool_reserved);
+  CHECK(s.at("allocations") == 3 + 2);
+  CHECK(s.at("active_bytes") == MiB + 64 * MiB + 64 * MiB + 8 * MiB);
+
+  // Released while a block is live: the memory stays until that block is freed.
+  const std::size_t physical = sim.devices.at(0)->physical_bytes();
+  CHECK(physical == pool_reserved + plugin.find(0)->stats().reserved_bytes);
+  plugin.release_pool(0, graph_pool);
+  CHECK(plugin.pool_count(0) == 1);
+  CHECK(sim.devices.at(0)->physical_bytes() == physical);
+  plugin.deallocate(kept, 8 * MiB, 0, capture_stream);
+  CHECK(plugin.pool_count(0) == 0);
+  CHECK(sim.devices.at(0)->physical_bytes() == physical - pool_reserved);
+  CHECK(!plugin.pool_stats(0, graph_pool).has_value());
+  s = stats_of(plugin, 0);
+  CHECK(s.at("reserved_bytes") == plugin.find(0)->stats().reserved_bytes);
+  CHECK(s.at("allocations") == 5);  // the pool's counts stay
+  CHECK(s.at("deallocations") == 2);
+  CHECK(s.at("segments_released") == s.at("segments_created") - plugin.find(0)->stats().segments_created +
+                                         plugin.find(0)->stats().segments_released);
+  for (auto [p, n] : {std::pair{general_before, MiB}, {elsewhere, 64 * MiB}, {after, 64 * MiB}}) {
+    plugin.deallocate(p, n, 0, default_stream);
+  }
+  CHECK(plugin.errors() == 0);
+}
+
+TEST_CASE("pluggable_allocator: a pool is shared by captures into it, and released by each") {
+  sim_devices sim;
+  pool_plugin plugin(sim.factory(), options_for<pool_plugin>(nullptr));
+  REQUIRE(plugin.begin_allocate_to_pool(0, graph_pool, only(capture_stream)));
+  CHECK(!plugin.begin_allocate_to_pool(0, graph_pool, only(other_stream)));  // already capturing into it
+  CHECK(plugin.errors() == 1);
+  void* p = plugin.allocate(32 * MiB, 0, capture_stream);
+  plugin.deallocate(p, 32 * MiB, 0, capture_stream);
+  plugin.end_allocate_to_pool(0, graph_pool);
+  // A second capture into the same pool reuses its free memory.
+  REQUIRE(plugin.begin_allocate_to_pool(0, graph_pool, only(capture_stream)));
+  void* q = plugin.allocate(32 * MiB, 0, capture_stream);
+  CHECK(q == p);
+  CHECK(plugin.pool_stats(0, graph_pool)->segments_created == 1);
+  plugin.deallocate(q, 32 * MiB, 0, capture_stream);
+  plugin.end_allocate_to_pool(0, graph_pool);
+  plugin.release_pool(0, graph_pool);
+  CHECK(plugin.pool_count(0) == 1);  // the first capture's use is still there
+  plugin.release_pool(0, graph_pool);
+  CHECK(plugin.pool_count(0) == 0);
+  CHECK(sim.devices.at(0)->physical_bytes() == 0);
+  plugin.release_pool(0, graph_pool);  // no such pool any more
+  CHECK(plugin.errors() == 2);
+}
+
+TEST_CASE("pluggable_allocator: a pool out of memory has the general cache released and tries again") {
+  sim_devices sim;  // 16 GiB per device, shared by the general allocator and the pool
+  pool_plugin plugin(sim.factory(), options_for<pool_plugin>(nullptr));
+  void* big = plugin.allocate(8 * GiB, 0, other_stream);
+  plugin.deallocate(big, 8 * GiB, 0, other_stream);
+  REQUIRE(plugin.find(0)->stats().reserved_bytes == 8 * GiB);
+  REQUIRE(plugin.begin_allocate_to_pool(0, graph_pool, only(capture_stream)));
+  void* p = plugin.allocate(12 * GiB, 0, capture_stream);
+  CHECK(p != nullptr);
+  CHECK(plugin.find(0)->stats().reserved_bytes == 0);  // released on the way
+  CHECK(plugin.pool_stats(0, graph_pool)->failed_allocations == 1);  // the first try
+  CHECK(plugin.allocate(12 * GiB, 0, capture_stream) == nullptr);  // nothing left to release
+  plugin.deallocate(p, 12 * GiB, 0, capture_stream);
+  plugin.end_allocate_to_pool(0, graph_pool);
+  plugin.release_pool(0, graph_pool);
+  CHECK(plugin.pool_count(0) == 0);
+  CHECK(sim.devices.at(0)->physical_bytes() == 0);
+}
+
+TEST_CASE("threads: pool and general requests from several threads during a capture stay apart") {
+  sim_devices sim;
+  pool_plugin plugin(sim.factory(), options_for<pool_plugin>(nullptr));
+  REQUIRE(plugin.begin_allocate_to_pool(0, graph_pool, only(capture_stream)));
+  constexpr int threads = 4, rounds = 300;
+  std::vector<std::thread> workers;
+  for (int t = 0; t < threads; ++t) {
+    workers.emplace_back([&, t] {
+      const stream_ref stream = t % 2 == 0 ? capture_stream : other_stream;
+      std::vector<std::pair<void*, std::size_t>> live;
+      for (int i = 0; i < rounds; ++i) {
+        const std::size_t bytes = (i % 3 == 0 ? 3 * MiB : 1000) + static_cast<std::size_t>(t * 512 + i);
+        if (void* p = plugin.allocate(bytes, 0, stream)) live.emplace_back(p, bytes);
+        if (live.size() > 5) {
+          plugin.deallocate(live.front().first, live.front().second, 0, stream);
+          live.erase(live.begin());
+        }
+      }
+      for (auto [p, n] : live) plugin.deallocate(p, n, 0, stream);
+    });
+  }
+  for (auto& w : workers) w.join();
+  CHECK(plugin.errors() == 0);
+  const statistics pool = *plugin.pool_stats(0, graph_pool);
+  const statistics general = plugin.find(0)->stats();
+  CHECK(pool.allocations == 2 * rounds);  // the threads on the capture stream, exactly
+  CHECK(general.allocations == 2 * rounds);
+  CHECK(pool.active_bytes == 0);
+  CHECK(general.active_bytes == 0);
+  plugin.find(0)->verify();
+  plugin.end_allocate_to_pool(0, graph_pool);
+  plugin.release_pool(0, graph_pool);
+  CHECK(plugin.pool_count(0) == 0);
+}
+
+TEST_CASE("pluggable_allocator: visit_state shows the general allocator, then each pool by its id") {
+  sim_devices sim;
+  pool_plugin plugin(sim.factory(), options_for<pool_plugin>(nullptr));
+  void* g = plugin.allocate(5 * MiB, 0, other_stream);
+  REQUIRE(plugin.begin_allocate_to_pool(0, graph_pool, only(capture_stream)));
+  void* p = plugin.allocate(7 * MiB, 0, capture_stream);
+  struct pools_seen {
+    std::vector<std::pair<pool_plugin::pool_id, std::uintptr_t>> allocated;  // (pool, block)
+    pool_plugin::pool_id current{};
+    std::size_t segments = 0;
+    void allocator(pool_plugin::pool_id id) { current = id; }
+    void segment(const segment_view&) { ++segments; }
+    void block(const block_view& b) {
+      if (b.state == block_state::allocated) allocated.emplace_back(current, b.address);
+    }
+    void stitched(const stitched_view&) {}
+    void piece(const stitched_piece_view&) {}
+  } seen;
+  CHECK(!plugin.visit_state(9, seen));
+  REQUIRE(plugin.visit_state(0, seen));
+  CHECK(seen.segments == 2);
+  const std::vector<std::pair<pool_plugin::pool_id, std::uintptr_t>> expected{
+      {{0, 0}, reinterpret_cast<std::uintptr_t>(g)}, {graph_pool, reinterpret_cast<std::uintptr_t>(p)}};
+  CHECK(seen.allocated == expected);
+  plugin.deallocate(p, 7 * MiB, 0, capture_stream);
+  plugin.deallocate(g, 5 * MiB, 0, other_stream);
+  plugin.end_allocate_to_pool(0, graph_pool);
+  plugin.release_pool(0, graph_pool);
 }

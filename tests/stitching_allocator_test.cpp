@@ -12,6 +12,7 @@
 #include "glake/allocators/stitching_allocator.hpp"
 #include "glake/backends/fault_injection.hpp"
 #include "glake/backends/sim.hpp"
+#include "support/evented_reserver.hpp"
 
 namespace {
 
@@ -905,5 +906,228 @@ TEST_CASE("stitching: set_memory_limit gives cached memory back at once and hold
   allocator.deallocate(big, 1 * GiB);
   allocator.deallocate(small, 30 * M);
   allocator.deallocate(blocks[5], 64 * M);
+  allocator.verify();
+}
+
+// ------------------------------------------------------------------ visit_state, observer, retain
+
+namespace {
+
+// What visit_state showed, kept for checks.
+struct state_record {
+  struct seg {
+    segment_view view;
+    std::vector<block_view> blocks;
+  };
+  struct range {
+    stitched_view view;
+    std::vector<stitched_piece_view> pieces;
+  };
+  std::vector<seg> segments;
+  std::vector<range> ranges;
+  void segment(const segment_view& s) { segments.push_back({s, {}}); }
+  void block(const block_view& b) {
+    REQUIRE(!segments.empty());
+    segments.back().blocks.push_back(b);
+  }
+  void stitched(const stitched_view& r) { ranges.push_back({r, {}}); }
+  void piece(const stitched_piece_view& p) {
+    REQUIRE(!ranges.empty());
+    ranges.back().pieces.push_back(p);
+  }
+
+  // Every segment is tiled by its blocks; returns the sum of the segments' sizes.
+  std::size_t check_tiling() const {
+    std::size_t total = 0;
+    for (const seg& s : segments) {
+      std::uintptr_t at = s.view.address;
+      for (const block_view& b : s.blocks) {
+        CHECK(b.address == at);
+        at += b.size;
+      }
+      CHECK(at == s.view.address + s.view.size);
+      total += s.view.size;
+    }
+    return total;
+  }
+  const block_view* block_at(const void* p) const {
+    for (const seg& s : segments) {
+      for (const block_view& b : s.blocks) {
+        if (b.address == reinterpret_cast<std::uintptr_t>(p)) return &b;
+      }
+    }
+    return nullptr;
+  }
+};
+static_assert(state_visitor<state_record>);
+
+struct event_record {
+  std::vector<memory_event> events;
+  static void observe(void* context, const memory_event& e) noexcept {
+    static_cast<event_record*>(context)->events.push_back(e);
+  }
+  std::vector<memory_action> actions() const {
+    std::vector<memory_action> out;
+    for (const auto& e : events) out.push_back(e.action);
+    return out;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("visit_state: segments tiled by their blocks, covering the reserved bytes, small blocks in place") {
+  sim_device device(1 * GiB);
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device});
+  void* large = allocator.allocate(5 * M + 100);
+  void* small = allocator.allocate(1000);
+  void* freed = allocator.allocate(20 * M);
+  allocator.deallocate(freed, 20 * M);
+  state_record r;
+  allocator.visit_state(r);
+  CHECK(r.check_tiling() == allocator.stats().reserved_bytes);
+  CHECK(r.ranges.empty());
+  const block_view* l = r.block_at(large);
+  REQUIRE(l != nullptr);
+  CHECK(l->state == block_state::allocated);
+  CHECK(l->requested == 5 * M + 100);
+  CHECK(l->small_segment == 0);
+  const block_view* s = r.block_at(small);
+  REQUIRE(s != nullptr);
+  CHECK(s->state == block_state::allocated);
+  CHECK(s->requested == 1000);
+  CHECK(s->small_segment != 0);  // the small pool's segment, a borrowed block of a large segment
+  std::size_t allocated = 0, requested = 0;
+  for (const auto& seg : r.segments) {
+    for (const auto& b : seg.blocks) {
+      if (b.state == block_state::free) {
+        CHECK(b.requested == 0);
+      } else {
+        allocated += b.size;
+        requested += b.requested;
+      }
+    }
+  }
+  CHECK(allocated == allocator.stats().allocated_bytes);
+  CHECK(requested == allocator.stats().active_bytes);
+  allocator.deallocate(large, 5 * M + 100);
+  allocator.deallocate(small, 1000);
+}
+
+TEST_CASE("visit_state: a live stitched range, its pieces and the blocks it claims") {
+  sim_device device(400 * M);
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, stitch_everything());
+  fragmented f(allocator, device);
+  void* p = allocator.allocate(200 * M);
+  REQUIRE(allocator.stats().stitches == 1);
+  state_record r;
+  allocator.visit_state(r);
+  CHECK(r.check_tiling() == 400 * M);
+  REQUIRE(r.ranges.size() == 1);
+  const auto& range = r.ranges.front();
+  CHECK(range.view.address == reinterpret_cast<std::uintptr_t>(p));
+  CHECK(range.view.live);
+  CHECK(range.view.claimed == 200 * M);
+  CHECK(range.view.requested == 200 * M);
+  CHECK(range.view.state == block_state::allocated);
+  std::size_t pieces = 0, claimed = 0;
+  for (const auto& pc : range.pieces) {
+    pieces += pc.size;
+    const block_view* home = r.block_at(reinterpret_cast<void*>(pc.address));
+    REQUIRE(home != nullptr);
+    CHECK(home->stitched_into == range.view.address);
+    CHECK(home->requested == 0);
+    claimed += home->size;
+  }
+  CHECK(range.pieces.size() == 2);
+  CHECK(pieces == range.view.size);
+  CHECK(claimed == 200 * M);
+  allocator.deallocate(p, 200 * M);
+  state_record after;
+  allocator.visit_state(after);
+  REQUIRE(after.ranges.size() == 1);
+  CHECK(!after.ranges.front().view.live);  // cached, claiming nothing
+  for (const auto& pc : after.ranges.front().pieces) {
+    CHECK(after.block_at(reinterpret_cast<void*>(pc.address))->stitched_into == 0);
+  }
+  for (int i : {1, 3}) allocator.deallocate(f.blocks[i], 100 * M);
+}
+
+TEST_CASE("visit_state: a record_stream'd free waiting for its stream shows as pending_free") {
+  using evented_stitching = stitching_allocator<sim_provider, testing::evented_reserver>;
+  sim_device device(1 * GiB);
+  testing::event_log log;
+  evented_stitching allocator(sim_provider{device}, testing::evented_reserver{device, log});
+  const stream_ref A{1}, B{2};
+  void* p = allocator.allocate(8 * M, A);
+  allocator.record_stream(p, B);
+  allocator.deallocate(p, 8 * M, A);
+  state_record r;
+  allocator.visit_state(r);
+  REQUIRE(r.block_at(p) != nullptr);
+  CHECK(r.block_at(p)->state == block_state::pending_free);
+  CHECK(r.block_at(p)->requested == 8 * M);
+  log.complete(B);
+  allocator.deallocate(allocator.allocate(1 * M, A), 1 * M, A);  // runs the deferred free
+  state_record done;
+  allocator.visit_state(done);
+  const block_view* b = done.block_at(p);
+  CHECK((b == nullptr || b->state == block_state::free));
+}
+
+TEST_CASE("memory observer: segments added and given back, frees completed, stitched ranges mapped") {
+  sim_device device(400 * M);
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, stitch_everything());
+  event_record seen;
+  allocator.set_memory_observer(&event_record::observe, &seen);
+  fragmented f(allocator, device);  // four segments of 100 MiB, two freed
+  using enum memory_action;
+  CHECK(seen.actions() == std::vector{segment_alloc, segment_alloc, segment_alloc, segment_alloc, free_completed,
+                                      free_completed});
+  CHECK(seen.events[4].address == reinterpret_cast<std::uintptr_t>(f.blocks[0]));
+  CHECK(seen.events[4].size == 100 * M);
+  seen.events.clear();
+  void* p = allocator.allocate(200 * M);
+  REQUIRE(seen.events.size() == 1);
+  CHECK(seen.events[0].action == segment_map);
+  CHECK(seen.events[0].address == reinterpret_cast<std::uintptr_t>(p));
+  CHECK(seen.events[0].size == 200 * M);
+  allocator.deallocate(p, 200 * M);
+  CHECK(seen.actions() == std::vector{segment_map, free_completed, segment_unmap});
+  seen.events.clear();
+  allocator.release_cached();
+  CHECK(seen.actions() == std::vector{segment_free, segment_free});
+  allocator.set_memory_observer(nullptr, nullptr);
+  for (int i : {1, 3}) allocator.deallocate(f.blocks[i], 100 * M);
+  CHECK(seen.events.size() == 2);  // nobody is told any more
+}
+
+TEST_CASE("retain_memory: nothing is released, unmapped or remapped until it is lifted") {
+  sim_device device(400 * M);
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, stitch_everything());
+  fragmented f(allocator, device);
+  void* stitched = allocator.allocate(200 * M);
+  allocator.deallocate(stitched, 200 * M);
+  allocator.retain_memory(true);
+  const std::size_t mappings = device.live_mappings();
+  allocator.release_cached();
+  CHECK(allocator.stats().reserved_bytes == 400 * M);
+  CHECK(allocator.stats().cached_stitch_bytes == 200 * M);
+  CHECK(device.live_mappings() == mappings);
+  // The request that StitchFree and releasing would serve (see above) fails instead.
+  void* hole = allocator.allocate(100 * M);
+  CHECK(allocator.try_allocate(200 * M) == nullptr);
+  CHECK(allocator.stats().stitch_evictions == 0);
+  CHECK(device.live_mappings() == mappings);
+  CHECK(allocator.stats().reserved_bytes == 400 * M);
+  // Its own free memory still serves it: the cached range, reused as it is.
+  allocator.deallocate(hole, 100 * M);
+  void* again = allocator.allocate(200 * M);
+  CHECK(again == stitched);
+  allocator.deallocate(again, 200 * M);
+  allocator.verify();
+  allocator.retain_memory(false);
+  allocator.release_cached();
+  CHECK(allocator.stats().reserved_bytes == 200 * M);  // the two live blocks' segments
+  for (int i : {1, 3}) allocator.deallocate(f.blocks[i], 100 * M);
   allocator.verify();
 }

@@ -79,7 +79,41 @@ GLAKE_TORCH_API const char* glake_backend(void);
 /* Writes out buffered trace lines (GLAKE_TRACE); exit() does it as well. */
 GLAKE_TORCH_API void glake_flush_traces(void);
 
+/* Starts (enabled != 0: every device's history emptied, its newest `max_entries` entries kept)
+ * or stops (entries kept) the memory history: per device, alloc / free_requested /
+ * free_completed / segment_alloc / segment_free / segment_map / segment_unmap / oom entries, as
+ * PyTorch's _record_memory_history. 0, or -1 when the history could not be allocated. */
+GLAKE_TORCH_API int glake_record_history(int enabled, size_t max_entries);
+
+/* The state of every device (segments and their blocks, stitched ranges) and its memory
+ * history, as JSON in the shape of PyTorch's torch.cuda.memory._snapshot() (see
+ * integrations/torch/README.md, "Memory snapshots"). Returns its length in bytes; writes it and
+ * a terminating NUL into `buffer` only when `size` exceeds that length (call with 0 to ask).
+ * 0 on failure. */
+GLAKE_TORCH_API size_t glake_snapshot(char* buffer, size_t size);
+
 #ifdef __cplusplus
+}
+#endif
+
+#ifdef __cplusplus
+/* PyTorch's C++ hooks for CUDA graphs' private pools, with the exact types of
+ * CUDAPluggableAllocator's set_begin_allocate_to_pool, set_end_allocate_to_pool_fn and
+ * set_release_pool (torch/csrc/cuda/CUDAPluggableAllocator.h: a MempoolId_t is a
+ * std::pair<unsigned long long, unsigned long long>). C++ functions (g++ / libstdc++, as torch),
+ * with unmangled names so that Python can hand their addresses to torch; never call them from C.
+ *
+ * begin: from now on, allocations on `device` whose stream `filter` accepts come from private
+ * pool `pool` (made on first use) until end. A pool's blocks return to it only; release drops
+ * one use, and a pool without uses gives its memory back once its last block is freed. */
+#include <functional>
+#include <utility>
+
+extern "C" {
+GLAKE_TORCH_API void glake_begin_allocate_to_pool(int device, std::pair<unsigned long long, unsigned long long> pool,
+                                                  std::function<bool(struct CUstream_st*)> filter);
+GLAKE_TORCH_API void glake_end_allocate_to_pool(int device, std::pair<unsigned long long, unsigned long long> pool);
+GLAKE_TORCH_API void glake_release_pool(int device, std::pair<unsigned long long, unsigned long long> pool);
 }
 #endif
 

@@ -441,7 +441,9 @@ class Child(unittest.TestCase):
     def test_glake_run_enables_the_plugin_first(self):
         code, r = self.run_child("glake", strategy="R", GLAKE_TORCH_LIBRARY=SIM)
         self.assertEqual((code, r["status"]), (0, "ok"), r.get("error"))
-        self.assertEqual(r["glake_hooks"], {"empty_cache": "set_reset_fn", "record_stream": "set_record_stream_fn"})
+        hooks = dict(r["glake_hooks"])
+        self.assertIn("not installed", hooks.pop("graph_pools"))  # the fake torch has no pool hooks
+        self.assertEqual(hooks, {"empty_cache": "set_reset_fn", "record_stream": "set_record_stream_fn"})
         self.assertIn("frag_limit:2MiB", r["glake_settings"])
         self.assertEqual(os.path.realpath(r["glake_library"]), os.path.realpath(SIM))
         self.assertEqual(r["glake_stats"]["allocations"], 0)  # the fake model allocates nothing through it

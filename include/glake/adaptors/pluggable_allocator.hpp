@@ -1,11 +1,13 @@
 // glake allocators behind a C allocation interface such as PyTorch's CUDAPluggableAllocator:
 // one allocator per device, failures turned into null and one line of log, statistics as a flat
-// array, and optional recording of every request in glake-replay's trace format.
+// array, private pools for CUDA graphs, and optional recordings: every request in glake-replay's
+// trace format, and a bounded memory history for snapshots.
 #pragma once
 
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdarg>
 #include <cstddef>
 #include <cstdint>
@@ -14,6 +16,8 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -24,6 +28,7 @@
 #include "glake/allocators/device_registry.hpp"
 #include "glake/detail/accounting.hpp"
 #include "glake/errors.hpp"
+#include "glake/memory_state.hpp"
 #include "glake/statistics.hpp"
 #include "glake/stream.hpp"
 
@@ -195,6 +200,96 @@ class trace_recorder {
   std::vector<std::pair<stream_ref, std::uint32_t>> streams_;
 };
 
+/// One entry of a device's memory history: PyTorch's trace entry (action, addr, size, stream,
+/// time_us) and the device.
+struct history_entry {
+  memory_action action = memory_action::alloc;
+  std::uintptr_t address = 0;
+  std::size_t size = 0;
+  stream_ref stream{};
+  std::uint64_t time_us = 0;  ///< microseconds since the Unix epoch
+  int device = 0;
+};
+
+/// The newest `capacity` history entries of one device, in a ring (PyTorch's
+/// `_record_memory_history(max_entries=...)`): the ring is allocated by reset, so recording
+/// never allocates; once full, each entry replaces the oldest.
+/// Thread safety: every member may be called from any thread (one mutex); `record` is noexcept
+/// and may be called under an allocator's lock (nothing here calls back).
+class memory_history {
+ public:
+  /// Empties the history and keeps at most `capacity` entries from now on (0: none).
+  void reset(std::size_t capacity) {
+    std::vector<history_entry> ring(capacity);
+    std::lock_guard guard(mutex_);
+    ring_.swap(ring);
+    next_ = 0;
+    count_ = 0;
+  }
+
+  void record(const history_entry& e) noexcept {
+    std::lock_guard guard(mutex_);
+    if (ring_.empty()) return;
+    ring_[next_] = e;
+    next_ = next_ + 1 == ring_.size() ? 0 : next_ + 1;
+    count_ = std::min(count_ + 1, ring_.size());
+  }
+
+  /// The entries kept, oldest first.
+  std::vector<history_entry> entries() const {
+    std::lock_guard guard(mutex_);
+    std::vector<history_entry> out;
+    out.reserve(count_);
+    const std::size_t first = count_ < ring_.size() ? 0 : next_;
+    for (std::size_t i = 0; i < count_; ++i) out.push_back(ring_[(first + i) % ring_.size()]);
+    return out;
+  }
+
+  std::size_t capacity() const {
+    std::lock_guard guard(mutex_);
+    return ring_.size();
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::vector<history_entry> ring_;
+  std::size_t next_ = 0;   // where the next entry goes
+  std::size_t count_ = 0;  // entries kept (at most ring_.size())
+};
+
+namespace detail {
+/// Adds only the counts (calls, events, driver calls and their time), which never go down.
+inline void accumulate_counts(statistics& into, const statistics& s) noexcept {
+  for (auto [to, from] : {std::pair{&into.allocations, s.allocations}, {&into.deallocations, s.deallocations},
+                          {&into.failed_allocations, s.failed_allocations}, {&into.splits, s.splits},
+                          {&into.merges, s.merges}, {&into.segments_created, s.segments_created},
+                          {&into.segments_released, s.segments_released}, {&into.stitches, s.stitches},
+                          {&into.stitch_cache_hits, s.stitch_cache_hits}, {&into.stitch_repairs, s.stitch_repairs},
+                          {&into.stitch_grows, s.stitch_grows}, {&into.stitch_evictions, s.stitch_evictions},
+                          {&into.cross_stream_bytes, s.cross_stream_bytes}, {&into.device_waits, s.device_waits},
+                          {&into.events_recorded, s.events_recorded}, {&into.event_queries, s.event_queries},
+                          {&into.event_ns, s.event_ns}}) {
+    *to += from;
+  }
+  for (std::size_t k = 0; k < driver_call_kinds; ++k) {
+    into.driver_calls.counts[k] += s.driver_calls.counts[k];
+    into.driver_time.ns[k] += s.driver_time.ns[k];
+  }
+}
+/// Adds `s`'s values to `into`, peaks included: the sum of several allocators' peaks bounds
+/// their combined peak from above (it is exact when the peaks coincide).
+inline void accumulate(statistics& into, const statistics& s) noexcept {
+  into.active_bytes += s.active_bytes;
+  into.peak_active_bytes += s.peak_active_bytes;
+  into.allocated_bytes += s.allocated_bytes;
+  into.peak_allocated_bytes += s.peak_allocated_bytes;
+  into.reserved_bytes += s.reserved_bytes;
+  into.peak_reserved_bytes += s.peak_reserved_bytes;
+  into.cached_stitch_bytes += s.cached_stitch_bytes;
+  accumulate_counts(into, s);
+}
+}  // namespace detail
+
 /// The file a device's trace goes to, from a pattern: `%d` becomes the device, `%p` the process
 /// id, `%r` the `rank` given (e.g. torchrun's RANK; "0" when empty) and `%%` a percent sign. A
 /// pattern without `%d` names device 0's file; other devices insert `.dev<N>` before a final
@@ -249,18 +344,48 @@ inline std::string trace_file_name(std::string_view pattern, int device, long pi
 /// same line and rethrows, for callers whose own error path is an exception. `deallocate` of a
 /// pointer that is not live on that device logs and counts an error (stat "errors") and changes
 /// nothing. Peaks can be reset (reset_peak, the allocator's reset_peaks); the lifetime peaks stay
-/// readable (the highest of the peaks before each reset and the current one). When `trace_pattern` is set, each device's requests are written to
-/// trace_file_name(pattern, device, pid, rank) by a trace_recorder.
+/// readable (the highest of the peaks before each reset and the current one). When
+/// `trace_pattern` is set, each device's requests are written to trace_file_name(pattern,
+/// device, pid, rank) by a trace_recorder (requests served by private pools are left out).
+///
+/// Private pools (CUDA graphs; for a memory_retaining_allocator): between
+/// begin_allocate_to_pool(device, pool, filter) and end_allocate_to_pool(device, pool), requests
+/// on `device` whose stream passes `filter` are served by the pool's own Allocator, made by the
+/// same factory and told to retain its memory (every address it handed out keeps its memory,
+/// which the graph's replays use). A block of a pool goes back to that pool only, whenever it is
+/// freed: the pool's free memory serves the pool's later requests (a later capture into it) and
+/// nothing else. release_pool drops one use of the pool (begin adds one, as PyTorch's
+/// use_count); a pool without uses gives all its memory back to the backend as soon as its last
+/// block is freed (PyTorch waits for the next empty_cache). A pool out of memory has the
+/// general allocator's cached memory released and tries once more. Pools are found by a map
+/// from pointer to pool: while a device has pools, each free and record_stream there takes one
+/// mutex and one hash lookup more; without pools, one atomic load. Statistics are the sums over
+/// the general allocator and the pools (peaks summed: an upper bound of the combined peak);
+/// the counts of pools given back stay in them. The memory limit applies to the general
+/// allocator only.
+///
+/// Memory history (record_history; off by default, then one atomic load per call): per device,
+/// the newest `max_entries` of alloc, free_requested and oom (seen here), and, for an
+/// observable_allocator, its segment_alloc / segment_free / segment_map / segment_unmap and
+/// free_completed (when the memory is reusable, which for a record_stream'd free is later than
+/// the call). For an allocator that is not observable, free_completed follows free_requested at
+/// once and there are no segment entries. visit_state shows a device's allocators (general and
+/// pools) to a visitor, for snapshots.
 ///
 /// Complexity: one registry lookup (an atomic load) around each allocator call; with a trace
-/// recording, one more locked call to the allocator per allocation and per free.
+/// recording, one more locked call to the allocator per allocation and per free; with the
+/// history recording, one more per free (owns) and a locked ring write per entry.
 /// Thread safety: every member may be called from any thread; allocators must lock themselves.
-/// Streams: passed through; record_stream goes to the device whose allocator owns the pointer.
+/// Streams: passed through; record_stream goes to the allocator that owns the pointer.
 /// DeviceScope: constructed around each allocator call with the device id (see no_device_scope).
 template <pluggable_allocatable Allocator, class DeviceScope = no_device_scope, std::size_t MaxDevices = 64>
 class pluggable_allocator {
  public:
   using factory = std::function<std::unique_ptr<Allocator>(int device)>;
+  /// A private pool's name (PyTorch's MempoolId_t).
+  using pool_id = std::pair<std::uint64_t, std::uint64_t>;
+  /// Which streams' requests a capture sends to its pool.
+  using stream_filter = std::function<bool(stream_ref)>;
 
   struct options {
     std::string trace_pattern;         ///< empty: no trace
@@ -272,7 +397,8 @@ class pluggable_allocator {
 
   explicit pluggable_allocator(factory make, options opts = {})
       : options_(std::move(opts)),
-        registry_([this, make = std::move(make)](int device) { return make_slot(device, make); }) {}
+        make_(std::move(make)),
+        registry_([this](int device) { return make_slot(device); }) {}
   pluggable_allocator(const pluggable_allocator&) = delete;
   pluggable_allocator& operator=(const pluggable_allocator&) = delete;
 
@@ -294,6 +420,12 @@ class pluggable_allocator {
     try {
       DeviceScope scope(device);
       s = &registry_.for_device(device);
+      if (s->captures.load(std::memory_order_acquire) != 0) {
+        if (void* p = allocate_in_pool(*s, bytes, stream)) {
+          note(*s, memory_action::alloc, p, bytes, stream);
+          return p;
+        }
+      }
       void* p = s->allocator->allocate(bytes, stream);
       after_allocate(*s, p, bytes, stream);
       return p;
@@ -301,6 +433,9 @@ class pluggable_allocator {
       log("glake: allocating %zu bytes on device %d, stream %#llx failed: %s", bytes, device,
           static_cast<unsigned long long>(stream.id()), e.what());
       if (s != nullptr && s->trace) s->trace->failed(bytes, stream);
+      if (s != nullptr && dynamic_cast<const std::bad_alloc*>(&e) != nullptr) {
+        note(*s, memory_action::oom, nullptr, bytes, stream);
+      }
       throw;
     } catch (...) {
       log("glake: allocating %zu bytes on device %d failed: unknown exception", bytes, device);
@@ -319,12 +454,16 @@ class pluggable_allocator {
         error("glake: free of %p (%zu bytes) on device %d, which has no glake allocator", p, bytes, device);
         return;
       }
-      // Unchecked builds do not catch foreign pointers themselves; ask first.
-      if (!GLAKE_CHECKED && !s->allocator->owns(p)) {
+      if (s->pools.load(std::memory_order_acquire) != 0 && free_in_pool(*s, p, bytes, stream)) return;
+      const bool history = history_on_.load(std::memory_order_relaxed);
+      // Unchecked builds do not catch foreign pointers themselves; ask first. So does the
+      // history, which must not show a free that did not happen.
+      if ((!GLAKE_CHECKED || history) && !s->allocator->owns(p)) {
         error("glake: free of %p (%zu bytes) on device %d, which is not a live allocation there", p, bytes, device);
         return;
       }
       if (s->trace) s->trace->freeing(p);
+      if (history) note_free_requested(*s, p, bytes, stream);
       s->allocator->deallocate(p, bytes, stream);
       if (s->trace) s->trace->reserved(s->allocator->reserved_bytes());
     } catch (const std::exception& e) {
@@ -335,17 +474,27 @@ class pluggable_allocator {
   }
 
   /// The allocation at `p` is also used by work queued on `stream` (PyTorch's record_stream):
-  /// forwarded to the owning device's allocator when it is a stream_recording_allocator; for
-  /// any other allocator only the pointer is checked.
+  /// forwarded to the owning allocator (a pool's or a device's) when it is a
+  /// stream_recording_allocator; for any other allocator only the pointer is checked.
   void record_stream(void* p, stream_ref stream) noexcept {
     try {
       bool found = false;
       registry_.for_each([&](int device, slot& s) {
-        if (found || !s.allocator->owns(p)) return;
+        if (found) return;
+        Allocator* owner = nullptr;
+        std::unique_lock<std::mutex> pools_lock;
+        if (s.pools.load(std::memory_order_acquire) != 0) {
+          pools_lock = std::unique_lock(s.pools_mutex);
+          if (const auto it = s.pool_of.find(reinterpret_cast<std::uintptr_t>(p)); it != s.pool_of.end()) {
+            owner = it->second->allocator.get();
+          }
+        }
+        if (owner == nullptr && s.allocator->owns(p)) owner = s.allocator.get();
+        if (owner == nullptr) return;
         found = true;
         if constexpr (stream_recording_allocator<Allocator>) {
           DeviceScope scope(device);
-          s.allocator->record_stream(p, stream);
+          owner->record_stream(p, stream);
         }
       });
       if (!found) error("glake: record_stream of %p, which is not a live allocation of any device", p);
@@ -355,7 +504,8 @@ class pluggable_allocator {
   }
 
   /// Gives cached memory back (the allocator's release_cached) on `device`, or on every device
-  /// when `device` is negative. Devices without an allocator are left alone.
+  /// when `device` is negative. Devices without an allocator are left alone, and so are private
+  /// pools: they retain their memory while used, and give it all back once released and empty.
   void release_cached(int device) noexcept {
     each_device(device, "releasing cached memory", [](slot& s) {
       s.allocator->release_cached();
@@ -366,7 +516,7 @@ class pluggable_allocator {
   /// Holds `device`'s physical memory to `bytes` from now on (0: no limit; the allocator's
   /// set_memory_limit), making its allocator if it has none yet, so a limit set before the first
   /// allocation holds from the start. False, logged, when the device id is out of range or the
-  /// allocator could not be made.
+  /// allocator could not be made. Private pools are not limited.
   bool set_memory_limit(int device, std::size_t bytes) noexcept
     requires memory_limiting_allocator<Allocator>
   {
@@ -385,7 +535,11 @@ class pluggable_allocator {
   /// From now on, peaks are measured from the current values (on `device`, or all when negative).
   void reset_peak(int device) noexcept {
     each_device(device, "resetting peaks", [](slot& s) {
-      const statistics before = s.allocator->reset_peaks();
+      statistics before = s.allocator->reset_peaks();
+      if (s.pools.load(std::memory_order_acquire) != 0) {
+        std::lock_guard guard(s.pools_mutex);
+        for (const auto& pool : s.pool_list) detail::accumulate(before, pool->allocator->reset_peaks());
+      }
       slot::raise(s.lifetime_active, before.peak_active_bytes);
       slot::raise(s.lifetime_reserved, before.peak_reserved_bytes);
     });
@@ -393,14 +547,15 @@ class pluggable_allocator {
 
   /// Writes up to `capacity` values for `device` in the order of pluggable_stat_names (zeros
   /// when the device has no allocator yet) and returns how many names there are; 0 for a device
-  /// id out of range.
+  /// id out of range. The values are the sums over the general allocator and the device's
+  /// private pools (see the class comment).
   std::size_t stats(int device, std::uint64_t* out, std::size_t capacity) noexcept {
     std::array<std::uint64_t, pluggable_stat_names.size()> v{};
     try {
       slot* s = registry_.find(device);
       if (s != nullptr) {
         DeviceScope scope(device);
-        const statistics st = s->allocator->stats();
+        const statistics st = combined_stats(*s);
         std::size_t i = 0;
         for (const std::uint64_t value :
              {std::uint64_t{st.active_bytes}, std::uint64_t{st.peak_active_bytes},
@@ -427,6 +582,144 @@ class pluggable_allocator {
     return v.size();
   }
 
+  // ------------------------------------------------------------------ private pools
+
+  /// From now on, until end_allocate_to_pool(device, pool), requests on `device` whose stream
+  /// passes `filter` are served by private pool `pool` (made now if it does not exist; one more
+  /// use otherwise). PyTorch's beginAllocateToPool. False, logged, when the device id is out of
+  /// range, the pool's allocator cannot be made, or a capture into `pool` is already under way.
+  bool begin_allocate_to_pool(int device, pool_id pool, stream_filter filter) noexcept
+    requires memory_retaining_allocator<Allocator>
+  {
+    try {
+      DeviceScope scope(device);
+      slot& s = registry_.for_device(device);
+      std::lock_guard guard(s.pools_mutex);
+      for (const capture& c : s.capture_list) {
+        if (c.pool == pool) {
+          error("glake: device %d is already allocating to pool (%llu, %llu)", device,
+                static_cast<unsigned long long>(pool.first), static_cast<unsigned long long>(pool.second));
+          return false;
+        }
+      }
+      private_pool* p = find_pool(s, pool);
+      if (p == nullptr) {
+        auto made = std::make_unique<private_pool>();
+        made->id = pool;
+        made->allocator = make_(device);
+        if (made->allocator == nullptr) throw std::runtime_error("the allocator factory returned null");
+        made->allocator->retain_memory(true);
+        if (history_on_.load(std::memory_order_relaxed)) observe(*made->allocator, s, true);
+        s.pool_list.reserve(s.pool_list.size() + 1);
+        p = s.pool_list.emplace_back(std::move(made)).get();
+        s.pools.store(s.pool_list.size(), std::memory_order_release);
+        s.had_pools.store(true, std::memory_order_release);
+      }
+      s.capture_list.reserve(s.capture_list.size() + 1);
+      ++p->uses;
+      s.capture_list.push_back(capture{pool, std::move(filter)});
+      s.captures.store(s.capture_list.size(), std::memory_order_release);
+      return true;
+    } catch (const std::exception& e) {
+      error("glake: beginning to allocate to pool (%llu, %llu) on device %d failed: %s",
+            static_cast<unsigned long long>(pool.first), static_cast<unsigned long long>(pool.second), device,
+            e.what());
+      return false;
+    }
+  }
+
+  /// Requests stop going to `pool` (PyTorch's endAllocateToPool); its blocks still return to it.
+  void end_allocate_to_pool(int device, pool_id pool) noexcept {
+    with_pools(device, "ending allocation to a pool", [&](slot& s) {
+      std::erase_if(s.capture_list, [&](const capture& c) { return c.pool == pool; });
+      s.captures.store(s.capture_list.size(), std::memory_order_release);
+    });
+  }
+
+  /// One use of `pool` ends (PyTorch's releasePool, when a graph is reset or destroyed). Once
+  /// no use is left, its memory goes back to the backend as soon as it has no live block.
+  void release_pool(int device, pool_id pool) noexcept {
+    with_pools(device, "releasing a pool", [&](slot& s) {
+      private_pool* p = find_pool(s, pool);
+      if (p == nullptr || p->uses == 0) {
+        error("glake: release of pool (%llu, %llu) on device %d, which is not in use",
+              static_cast<unsigned long long>(pool.first), static_cast<unsigned long long>(pool.second), device);
+        return;
+      }
+      if (--p->uses == 0 && p->live == 0) retire(s, p);
+    });
+  }
+
+  /// How many private pools `device` has now (released ones with live blocks included).
+  std::size_t pool_count(int device) const noexcept {
+    slot* s = registry_.find(device);
+    return s == nullptr ? 0 : s->pools.load(std::memory_order_acquire);
+  }
+
+  /// The statistics of `device`'s private pool `pool`, if it exists.
+  std::optional<statistics> pool_stats(int device, pool_id pool) const {
+    slot* s = registry_.find(device);
+    if (s == nullptr) return std::nullopt;
+    std::lock_guard guard(s->pools_mutex);
+    const private_pool* p = find_pool(*s, pool);
+    if (p == nullptr) return std::nullopt;
+    return p->allocator->stats();
+  }
+
+  // ------------------------------------------------------------------ memory history, state
+
+  /// Starts (every device's history emptied, at most `max_entries` kept each) or stops recording
+  /// the memory history (entries kept until it starts again). False, logged, when the rings
+  /// cannot be allocated (recording is then off).
+  bool record_history(bool enabled, std::size_t max_entries) noexcept {
+    std::lock_guard guard(history_mutex_);
+    try {
+      if (enabled) {
+        history_capacity_ = max_entries;
+        registry_.for_each([&](int, slot& s) { s.history.reset(max_entries); });
+      }
+      history_on_.store(enabled, std::memory_order_relaxed);
+      registry_.for_each([&](int device, slot& s) {
+        DeviceScope scope(device);
+        observe_all(s, enabled);
+      });
+      return true;
+    } catch (const std::exception& e) {
+      history_on_.store(false, std::memory_order_relaxed);
+      error("glake: starting the memory history failed: %s", e.what());
+      return false;
+    }
+  }
+  bool recording_history() const noexcept { return history_on_.load(std::memory_order_relaxed); }
+
+  /// `device`'s history, oldest first (empty when it has no allocator).
+  std::vector<history_entry> history(int device) const {
+    slot* s = registry_.find(device);
+    return s == nullptr ? std::vector<history_entry>{} : s->history.entries();
+  }
+
+  /// Shows `device`'s allocators to `v`: v.allocator(pool) (pool_id{0, 0} for the general
+  /// allocator), then that allocator's visit_state(v); pools follow the general allocator. False
+  /// when the device has no allocator. The pools' list is locked throughout.
+  template <class Visitor>
+  bool visit_state(int device, Visitor& v) const
+    requires snapshotting_allocator<Allocator>
+  {
+    slot* s = registry_.find(device);
+    if (s == nullptr) return false;
+    DeviceScope scope(device);
+    v.allocator(pool_id{0, 0});
+    s->allocator->visit_state(v);
+    if (s->pools.load(std::memory_order_acquire) != 0) {
+      std::lock_guard guard(s->pools_mutex);
+      for (const auto& pool : s->pool_list) {
+        v.allocator(pool->id);
+        pool->allocator->visit_state(v);
+      }
+    }
+    return true;
+  }
+
   /// Writes out whatever the traces hold in their buffers.
   void flush_traces() noexcept {
     registry_.for_each([](int, slot& s) {
@@ -437,19 +730,41 @@ class pluggable_allocator {
   /// Failures that were logged and swallowed: bad frees, record_streams, releases, statistics.
   std::uint64_t errors() const noexcept { return errors_.load(std::memory_order_relaxed); }
 
-  /// The allocator of `device` if it was made, else null.
+  /// The general allocator of `device` if it was made, else null.
   Allocator* find(int device) const {
     slot* s = registry_.find(device);
     return s != nullptr ? s->allocator.get() : nullptr;
   }
 
  private:
+  struct private_pool {
+    pool_id id{};
+    std::unique_ptr<Allocator> allocator;
+    std::size_t live = 0;  ///< its blocks not yet freed
+    std::size_t uses = 0;  ///< captures begun into it minus releases
+  };
+  struct capture {
+    pool_id pool;
+    stream_filter filter;
+  };
+
   struct slot {
+    int device = 0;
     std::unique_ptr<Allocator> allocator;
     std::unique_ptr<trace_recorder> trace;
+    memory_history history;
     // The highest peaks seen before the last reset_peak (the allocator's own restart there).
     std::atomic<std::size_t> lifetime_active{0};
     std::atomic<std::size_t> lifetime_reserved{0};
+    // Private pools: the lists under the mutex; their sizes readable without it.
+    mutable std::mutex pools_mutex;
+    std::vector<std::unique_ptr<private_pool>> pool_list;
+    std::vector<capture> capture_list;
+    std::unordered_map<std::uintptr_t, private_pool*> pool_of;  // live blocks of pools
+    statistics retired;  // the counts of pools given back
+    std::atomic<std::size_t> pools{0};
+    std::atomic<std::size_t> captures{0};
+    std::atomic<bool> had_pools{false};  // pools or their retired counts to add to statistics
 
     static void raise(std::atomic<std::size_t>& peak, std::size_t value) noexcept {
       std::size_t seen = peak.load(std::memory_order_relaxed);
@@ -458,9 +773,10 @@ class pluggable_allocator {
     }
   };
 
-  std::unique_ptr<slot> make_slot(int device, const factory& make) {
+  std::unique_ptr<slot> make_slot(int device) {
     auto s = std::make_unique<slot>();
-    s->allocator = make(device);
+    s->device = device;
+    s->allocator = make_(device);
     if (s->allocator == nullptr) return nullptr;  // the registry reports it
     if (!options_.trace_pattern.empty()) {
       const std::string path = trace_file_name(options_.trace_pattern, device, options_.pid, options_.rank);
@@ -473,11 +789,140 @@ class pluggable_allocator {
         error("glake: cannot open trace file %s for device %d; not recording it", path.c_str(), device);
       }
     }
+    std::lock_guard guard(history_mutex_);
+    if (history_on_.load(std::memory_order_relaxed)) {
+      s->history.reset(history_capacity_);
+      observe(*s->allocator, *s, true);
+    }
     return s;
   }
 
+  // ------------------------------------------------------------------ pools
+  static private_pool* find_pool(const slot& s, pool_id id) noexcept {
+    for (const auto& p : s.pool_list) {
+      if (p->id == id) return p.get();
+    }
+    return nullptr;
+  }
+
+  // Serves the request from the pool of the first capture whose filter takes its stream; null
+  // when none does. Throws out_of_memory when that pool cannot serve it even after the general
+  // allocator released its cached memory.
+  void* allocate_in_pool(slot& s, std::size_t bytes, stream_ref stream) {
+    std::lock_guard guard(s.pools_mutex);
+    private_pool* pool = nullptr;
+    for (const capture& c : s.capture_list) {
+      if (c.filter && c.filter(stream)) {
+        pool = find_pool(s, c.pool);
+        break;
+      }
+    }
+    if (pool == nullptr) return nullptr;
+    s.pool_of.reserve(s.pool_of.size() + 1);  // so that recording it cannot fail
+    void* p = pool->allocator->try_allocate(bytes, stream);
+    if (p == nullptr) {
+      s.allocator->release_cached();  // the general allocator's cache may be what is missing
+      p = pool->allocator->allocate(bytes, stream);
+    }
+    try {
+      s.pool_of.emplace(reinterpret_cast<std::uintptr_t>(p), pool);
+    } catch (...) {
+      pool->allocator->deallocate(p, bytes, stream);
+      throw;
+    }
+    ++pool->live;
+    return p;
+  }
+
+  // Frees `p` into its pool if a pool holds it (true), and gives a released pool's memory back
+  // with its last block.
+  bool free_in_pool(slot& s, void* p, std::size_t bytes, stream_ref stream) {
+    std::lock_guard guard(s.pools_mutex);
+    const auto it = s.pool_of.find(reinterpret_cast<std::uintptr_t>(p));
+    if (it == s.pool_of.end()) return false;
+    private_pool* pool = it->second;
+    if (history_on_.load(std::memory_order_relaxed)) note_free_requested(s, p, bytes, stream);
+    pool->allocator->deallocate(p, bytes, stream);
+    s.pool_of.erase(it);
+    if (--pool->live == 0 && pool->uses == 0) retire(s, pool);
+    return true;
+  }
+
+  // A pool without uses or live blocks: its memory goes back through its own release (so that
+  // an observer hears of each segment), its counts stay in the device's statistics.
+  void retire(slot& s, private_pool* pool) noexcept {
+    try {
+      if constexpr (memory_retaining_allocator<Allocator>) pool->allocator->retain_memory(false);
+      pool->allocator->release_cached();
+    } catch (const std::exception& e) {
+      error("glake: releasing pool (%llu, %llu) of device %d failed: %s",
+            static_cast<unsigned long long>(pool->id.first), static_cast<unsigned long long>(pool->id.second),
+            s.device, e.what());
+    }
+    detail::accumulate_counts(s.retired, pool->allocator->stats());
+    std::erase_if(s.pool_list, [pool](const auto& p) { return p.get() == pool; });
+    s.pools.store(s.pool_list.size(), std::memory_order_release);
+  }
+
+  template <class F>
+  void with_pools(int device, const char* what, F&& f) noexcept {
+    try {
+      DeviceScope scope(device);
+      slot* s = registry_.find(device);
+      if (s == nullptr) return;
+      std::lock_guard guard(s->pools_mutex);
+      f(*s);
+    } catch (const std::exception& e) {
+      error("glake: %s on device %d failed: %s", what, device, e.what());
+    }
+  }
+
+  statistics combined_stats(const slot& s) const {
+    statistics st = s.allocator->stats();
+    if (s.had_pools.load(std::memory_order_acquire)) {
+      std::lock_guard guard(s.pools_mutex);
+      for (const auto& pool : s.pool_list) detail::accumulate(st, pool->allocator->stats());
+      detail::accumulate_counts(st, s.retired);
+    }
+    return st;
+  }
+
+  // ------------------------------------------------------------------ history
+  static std::uint64_t now_us() noexcept {
+    using namespace std::chrono;
+    return static_cast<std::uint64_t>(duration_cast<microseconds>(system_clock::now().time_since_epoch()).count());
+  }
+
+  void note(slot& s, memory_action action, const void* p, std::size_t bytes, stream_ref stream) noexcept {
+    if (!history_on_.load(std::memory_order_relaxed)) return;
+    s.history.record(history_entry{action, reinterpret_cast<std::uintptr_t>(p), bytes, stream, now_us(), s.device});
+  }
+
+  // Before the free: an allocation that reuses the memory is recorded after it. Without an
+  // observer to say when the memory is reusable, that is taken to be now.
+  void note_free_requested(slot& s, const void* p, std::size_t bytes, stream_ref stream) noexcept {
+    note(s, memory_action::free_requested, p, bytes, stream);
+    if constexpr (!observable_allocator<Allocator>) note(s, memory_action::free_completed, p, bytes, stream);
+  }
+
+  static void on_event(void* context, const memory_event& e) noexcept {
+    auto* s = static_cast<slot*>(context);
+    s->history.record(history_entry{e.action, e.address, e.size, e.stream, now_us(), s->device});
+  }
+
+  static void observe([[maybe_unused]] Allocator& a, [[maybe_unused]] slot& s, [[maybe_unused]] bool on) {
+    if constexpr (observable_allocator<Allocator>) a.set_memory_observer(on ? &on_event : nullptr, &s);
+  }
+  void observe_all(slot& s, bool on) {
+    observe(*s.allocator, s, on);
+    std::lock_guard guard(s.pools_mutex);
+    for (const auto& pool : s.pool_list) observe(*pool->allocator, s, on);
+  }
+
+  // ------------------------------------------------------------------ plumbing
   // The trace, once memory was handed out: failures here must not lose it.
   void after_allocate(slot& s, void* p, std::size_t bytes, stream_ref stream) noexcept {
+    note(s, memory_action::alloc, p, bytes, stream);
     try {
       if (s.trace) s.trace->allocated(p, bytes, stream, s.allocator->reserved_bytes());
     } catch (const std::exception& e) {
@@ -538,7 +983,11 @@ class pluggable_allocator {
   }
 
   options options_;
+  factory make_;
   std::atomic<std::uint64_t> errors_{0};
+  std::atomic<bool> history_on_{false};
+  std::mutex history_mutex_;            // serialises starting and stopping the history
+  std::size_t history_capacity_ = 0;    // under history_mutex_
   device_registry<slot, MaxDevices> registry_;
 };
 

@@ -190,6 +190,16 @@ class caching_allocator {
     const block_type* c = arena_.containing(reinterpret_cast<std::uintptr_t>(p));
     return c != nullptr && c->free;
   }
+  /// Calls f(block) for each block of the segment at `base`, in address order (nothing when no
+  /// segment starts there). O(its blocks).
+  template <class F>
+  void for_each_block_of_segment_unlocked(std::uintptr_t base, F&& f) const {
+    auto& arena = const_cast<arena_type&>(arena_);
+    block_type* b = arena.find(base);
+    if (b == nullptr || b->segment->lease.base != base) return;
+    const std::uintptr_t end = base + b->segment->lease.size;
+    for (; b != nullptr && b->address < end; b = arena.next(b)) f(static_cast<const block_type&>(*b));
+  }
   statistics stats_unlocked() const { return stats_locked(); }
   void verify_unlocked() const { verify_locked(); }
 

@@ -8,6 +8,8 @@
 #include <optional>
 
 #include "glake/backends/concepts.hpp"
+#include "glake/detail/archetypes.hpp"
+#include "glake/memory_state.hpp"
 #include "glake/statistics.hpp"
 #include "glake/stream.hpp"
 
@@ -89,7 +91,7 @@ concept allocator = requires(A& a, const A& ca, void* p, std::size_t n, stream_r
 // Which model has which:
 //   caching_allocator         owning, cache_releasing, peak_resetting
 //   stitching_allocator       owning, cache_releasing, peak_resetting, stream_recording,
-//                             memory_limiting
+//                             memory_limiting, snapshotting, observable, memory_retaining
 //   segregator<Small, Large>  each one that both parts have; stream_recording only when both
 //                             parts are also owning (record_stream names no size, so owns is
 //                             how it finds the part)
@@ -155,6 +157,52 @@ concept memory_limiting_allocator = allocator<A> && requires(A& a, const A& ca, 
 template <class A>
 concept stream_recording_allocator = allocator<A> && requires(A& a, void* p, stream_ref s) {
   { a.record_stream(p, s) } -> std::same_as<void>;
+};
+
+// snapshotting_allocator
+//
+// `v` is a state_visitor (memory_state.hpp).
+//
+// | expression        | returns | throws | meaning
+// |-------------------|---------|--------|----------------------------------------------------------
+// | ca.visit_state(v) | void    | what v | every segment with its blocks, then every stitched range
+// |                   |         | throws | with its pieces, under the allocator's lock: one
+// |                   |         |        | consistent picture, O(blocks); changes nothing
+template <class A>
+concept snapshotting_allocator = allocator<A> && requires(const A& ca, detail::state_visitor_archetype& v) {
+  { ca.visit_state(v) } -> std::same_as<void>;
+};
+
+// observable_allocator
+//
+// `f` is a memory_observer (memory_state.hpp), `c` a void*.
+//
+// | expression                  | returns | throws | meaning
+// |-----------------------------|---------|--------|-------------------------------------------------
+// | a.set_memory_observer(f, c) | void    | no     | from now on f(c, event) is told, under the
+// |                             |         |        | allocator's lock, of each segment_alloc /
+// |                             |         |        | segment_free / segment_map / segment_unmap and
+// |                             |         |        | each free_completed (when the memory is
+// |                             |         |        | reusable); f null: nobody is. Costs a test of f
+// |                             |         |        | where an event could happen
+template <class A>
+concept observable_allocator = allocator<A> && requires(A& a, memory_observer f, void* c) {
+  { a.set_memory_observer(f, c) } -> std::same_as<void>;
+};
+
+// memory_retaining_allocator
+//
+// | expression          | returns | throws | meaning
+// |---------------------|---------|--------|--------------------------------------------------------
+// | a.retain_memory(b)  | void    | no     | while b is true: no memory goes back to the backend and
+// |                     |         |        | no mapping is removed or changed, so every address it
+// |                     |         |        | ever handed out keeps its physical memory (what a CUDA
+// |                     |         |        | graph's private pool needs: replays use the addresses
+// |                     |         |        | captured, freed or not); it may still grow and reuse
+// |                     |         |        | its own free memory
+template <class A>
+concept memory_retaining_allocator = allocator<A> && requires(A& a, bool b) {
+  { a.retain_memory(b) } -> std::same_as<void>;
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@
 #include "glake/detail/stitcher.hpp"
 #include "glake/detail/stream_adoption.hpp"
 #include "glake/detail/stream_clocks.hpp"
+#include "glake/memory_state.hpp"
 #include "glake/policies/admission.hpp"
 #include "glake/policies/eviction.hpp"
 #include "glake/policies/growth.hpp"
@@ -69,6 +70,11 @@ namespace glake {
 /// Errors: allocate throws out_of_memory (state unchanged, allocator usable); try_allocate returns
 /// null; misuse throws usage_error; a backend failure throws its error after a full rollback. A
 /// failed event query only means "not completed yet".
+/// Observation: visit_state shows segments, blocks and stitched ranges (O(blocks), under the
+/// lock); a memory_observer, when set, hears of segments added and given back, of each stitched
+/// range while it holds an allocation (segment_map / segment_unmap), and of each free once its
+/// memory is reusable (free_completed; later than the call for a record_stream'd free).
+/// retain_memory(true) keeps every mapping and every byte (for a CUDA graph's private pool).
 template <physical_provider Provider, address_reserver_for<Provider> Reserver,
           stitching_strategy Stitch = best_fit_tail_stitching, eviction_policy Evict = lru_eviction,
           lock_policy Lock = no_lock, stitch_admission Admission = gmlake_admission,
@@ -143,7 +149,10 @@ class stitching_allocator {
   void* allocate(std::size_t bytes, stream_ref stream = default_stream) {
     std::lock_guard guard(lock_);
     if (bytes == 0) return nullptr;
-    if (void* p = allocate_locked(bytes, stream)) return p;
+    if (void* p = allocate_locked(bytes, stream)) {
+      if (observer_ != nullptr) tell_if_stitched(p, bytes);
+      return p;
+    }
     ++counters_.s.failed_allocations;
     detail::throw_out_of_memory(name, bytes, stream, stats_locked(), pool_.largest_free_block(),
                                 pool_.backend().memory_limit());
@@ -155,6 +164,7 @@ class stitching_allocator {
     if (bytes == 0) return nullptr;
     void* p = allocate_locked(bytes, stream);
     if (p == nullptr) ++counters_.s.failed_allocations;
+    if (p != nullptr && observer_ != nullptr) tell_if_stitched(p, bytes);
     return p;
   }
 
@@ -174,7 +184,7 @@ class stitching_allocator {
   }
 
   /// Drops every cached stitched mapping and gives every fully free segment back to the backend
-  /// (PyTorch's empty_cache).
+  /// (PyTorch's empty_cache); while memory is retained, only finishes deferred frees.
   void release_cached() {
     std::lock_guard guard(lock_);
     release_cached_locked();
@@ -200,9 +210,76 @@ class stitching_allocator {
     return stats_locked();
   }
 
+  /// While `retain` holds, no memory goes back to the backend and no mapping is removed or
+  /// changed: fully free segments and cached stitched ranges stay, cached ranges are reused as
+  /// they are but not repaired; growth and reuse of its own free memory go on. Every address
+  /// handed out keeps its physical memory, which a CUDA graph captured over this allocator's
+  /// memory needs (its replays use the addresses captured, freed since or not). A request that
+  /// only releasing would serve fails instead.
+  void retain_memory(bool retain) {
+    std::lock_guard guard(lock_);
+    retain_ = retain;
+    if constexpr (stitches) stitcher_.freeze(retain);
+  }
+
+  /// From now on `observer(context, event)` is told of the changes the class comment lists
+  /// (null: nobody is), under the lock.
+  void set_memory_observer(memory_observer observer, void* context) {
+    std::lock_guard guard(lock_);
+    observer_ = observer;
+    observer_context_ = context;
+    pool_.set_observer(observer, context);
+  }
+
+  /// Shows `v` every segment (address order) with its blocks, the small pool's blocks in place
+  /// of the blocks it borrowed, then every stitched range, live or cached, with its pieces.
+  /// A block that a live stitched range claims is shown allocated (or pending) with
+  /// `stitched_into` set and `requested` 0: the request is the range's. O(blocks + pieces +
+  /// p log p) for p record_stream'd frees waiting; allocates a little scratch when p > 0.
+  template <state_visitor V>
+  void visit_state(V& v) const {
+    std::lock_guard guard(lock_);
+    std::vector<const void*> pending;
+    if constexpr (has_events) {
+      deferred_.for_each_pending([&](const void* p) { pending.push_back(p); });
+      std::sort(pending.begin(), pending.end());
+    }
+    const auto live_state = [&](std::uintptr_t address) {
+      return std::binary_search(pending.begin(), pending.end(), reinterpret_cast<const void*>(address))
+                 ? block_state::pending_free
+                 : block_state::allocated;
+    };
+    pool_.arena().for_each_block([&](const block_type& b) {
+      if (b.address == b.segment->mapping.base) {
+        v.segment(segment_view{b.segment->mapping.base, b.segment->mapping.size, b.segment->stream});
+      }
+      if (b.free) {
+        v.block(block_view{b.address, b.size, 0, block_state::free, b.stream, 0, 0});
+      } else if (b.owner == nullptr) {
+        v.block(block_view{b.address, b.size, b.requested, live_state(b.address), b.stream, 0, 0});
+      } else if (b.owner == &small_) {
+        small_.for_each_block_of_segment_unlocked(b.address, [&](const auto& sb) {
+          v.block(block_view{sb.address, sb.size, sb.free ? 0 : sb.requested,
+                             sb.free ? block_state::free : live_state(sb.address), sb.stream, b.address, 0});
+        });
+      } else if constexpr (stitches) {
+        const auto* range = static_cast<const stitched*>(b.owner);
+        v.block(block_view{b.address, b.size, 0, live_state(range->base), b.stream, 0, range->base});
+      }
+    });
+    if constexpr (stitches) {
+      for (const stitched& r : stitcher_.cache()) {
+        v.stitched(stitched_view{r.base, r.size, r.live ? r.claimed_bytes : 0, r.requested, r.stream, r.live,
+                                 r.live ? live_state(r.base) : block_state::free});
+        for (const auto& pc : r.pieces) v.piece(stitched_piece_view{pc.home->mapping.base + pc.offset, pc.size});
+      }
+    }
+  }
+
  private:
   void release_cached_locked() {
     finish_deferred(true);
+    if (retain_) return;
     evict_stitches(~std::size_t{0}, true);
     small_.release_free_segments(~std::size_t{0});
     release_free_segments(~std::size_t{0});
@@ -525,6 +602,7 @@ class stitching_allocator {
       // The small pool checks the size itself and throws on a mismatch.
       if (small_.deallocate_if_owned(p, bytes, stream)) {
         counters_.on_deallocate(bytes, detail::round_up(bytes, config_.round_to));
+        tell(memory_action::free_completed, address, bytes, stream);
         return;
       }
     }
@@ -533,6 +611,7 @@ class stitching_allocator {
       if (b->requested != bytes) detail::throw_size_mismatch(name, p, bytes, b->requested);
 #endif
       counters_.on_deallocate(b->requested, b->size);
+      tell(memory_action::free_completed, address, b->requested, stream);
       pool_.enter_free_queue(pool_.arena().give_back(b, clocks_.mark_free(b->stream)));
       return;
     }
@@ -541,6 +620,8 @@ class stitching_allocator {
 #if GLAKE_CHECKED
       if (s->requested != bytes) detail::throw_size_mismatch(name, p, bytes, s->requested);
 #endif
+      tell(memory_action::free_completed, address, s->requested, stream);
+      tell(memory_action::segment_unmap, s->base, s->claimed_bytes, s->stream);
       if constexpr (stitches) stitcher_.release(*s);
       return;
     }
@@ -572,6 +653,7 @@ class stitching_allocator {
   // synchronized once per call first (the memory-pressure path, as in PyTorch).
   std::size_t release_free_segments(std::size_t bytes) noexcept {
     std::size_t released = 0;
+    if (retain_) return released;
     [[maybe_unused]] bool synchronized =
         adoption_.mixed() &&
         adoption_.merge_across_streams(pool_.arena(), clocks_, [this](block_type* b) { pool_.enter_free_queue(b); });
@@ -612,6 +694,17 @@ class stitching_allocator {
   }
 
   // ------------------------------------------------------------------ reporting
+  void tell(memory_action action, std::uintptr_t address, std::size_t size, stream_ref stream) const noexcept {
+    if (observer_ != nullptr) observer_(observer_context_, memory_event{action, address, size, stream});
+  }
+  // A stitched range now holds the allocation at `p`: its range is the allocation's segment.
+  void tell_if_stitched(void* p, std::size_t bytes) const noexcept {
+    if (bytes <= config_.small_limit) return;
+    if (const stitched* s = find_stitch(reinterpret_cast<std::uintptr_t>(p)); s != nullptr && s->live) {
+      tell(memory_action::segment_map, s->base, s->claimed_bytes, s->stream);
+    }
+  }
+
   statistics stats_locked() const {
     statistics s = counters_.s;
     const statistics small = small_.stats_unlocked();
@@ -637,10 +730,18 @@ class stitching_allocator {
   small_pool small_;
   std::vector<segment*> pinned_;  // scratch: segments a live stitch keeps from release (bounded)
   live_report live_report_ = detail::default_live_report;
+  memory_observer observer_ = nullptr;
+  void* observer_context_ = nullptr;
+  bool retain_ = false;  // retain_memory: nothing released, unmapped or remapped
   [[no_unique_address]] mutable Lock lock_;
 };
 
 static_assert(stream_recording_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
+static_assert(snapshotting_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
+static_assert(observable_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
+static_assert(memory_retaining_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
+static_assert(snapshotting_allocator<
+              stitching_allocator<detail::provider_archetype, detail::evented_reserver_archetype, no_stitching>>);
 static_assert(memory_limiting_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
 static_assert(owning_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
 static_assert(cache_releasing_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);

@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "glake/backends/concepts.hpp"
+#include "glake/memory_state.hpp"
 #include "glake/statistics.hpp"
 #include "glake/stream.hpp"
 
@@ -44,6 +45,15 @@ struct full_allocator_archetype : allocator_archetype {
   statistics reset_peaks();
   void record_stream(void* p, stream_ref stream);
 };
+
+/// A state_visitor and nothing more.
+struct state_visitor_archetype {
+  void segment(const segment_view& s);
+  void block(const block_view& b);
+  void stitched(const stitched_view& r);
+  void piece(const stitched_piece_view& p);
+};
+static_assert(state_visitor<state_visitor_archetype>);
 
 /// A physical_provider and nothing more.
 struct provider_archetype {

@@ -36,6 +36,11 @@ class deferred_frees {
   /// Whether a free may have to be deferred or a deferred one finished: any use or pending free.
   bool active() const noexcept { return !pending_.empty() || !uses_.empty(); }
   bool pending() const noexcept { return !pending_.empty(); }
+  /// Calls f(p) for each allocation whose free waits for other streams.
+  template <class F>
+  void for_each_pending(F&& f) const {
+    for (const pending_free& free : pending_) f(static_cast<const void*>(free.p));
+  }
 
   /// Defers the free of `p` on `stream` when other streams used it: records an event on each,
   /// after `check(p, bytes)` has diagnosed misuse (it throws). True when deferred; on a throw

@@ -15,6 +15,7 @@
 #include "glake/detail/node_pool.hpp"
 #include "glake/detail/vmm_backend.hpp"
 #include "glake/errors.hpp"
+#include "glake/memory_state.hpp"
 #include "glake/policies/eviction.hpp"
 #include "glake/policies/growth.hpp"
 #include "glake/stream.hpp"
@@ -23,7 +24,8 @@ namespace glake::detail {
 
 /// Segments (a reservation with handles mapped back to back; Growth picks the handle sizes) over
 /// one backend, their blocks in a block_arena, and the fully free segments in Evict order
-/// (queued exactly while a segment is one free block). Everything is counted in `counters`.
+/// (queued exactly while a segment is one free block). Everything is counted in `counters`; an
+/// observer, when set, is told of each segment added (segment_alloc) and given back (segment_free).
 /// Complexity: a new segment costs O(handles) driver calls; queue operations O(1) or O(log n).
 /// Thread safety: none (the allocator serialises access).
 template <physical_provider Provider, address_reserver_for<Provider> Reserver, growth_policy Growth,
@@ -36,6 +38,7 @@ class segment_pool {
   struct segment : eviction_hook {
     mapped_segment<handle_type> mapping;
     std::size_t stitch_refs = 0;  ///< pieces of stitched ranges (live or cached) inside it
+    stream_ref stream{};          ///< the stream it was made for
   };
   using arena_type = block_arena<segment>;
   using block_type = typename arena_type::block_type;
@@ -55,6 +58,16 @@ class segment_pool {
   segment_pool& operator=(const segment_pool&) = delete;
   /// Every segment goes back to the backend, live blocks or not (a live one is the owner's leak).
   ~segment_pool() { destroy_all(); }
+
+  /// Who is told of segments added and given back (null: nobody).
+  void set_observer(memory_observer observer, void* context) noexcept {
+    observer_ = observer;
+    observer_context_ = context;
+  }
+  /// Tells the observer, if any, of `action` on `size` bytes at `address`.
+  void tell(memory_action action, std::uintptr_t address, std::size_t size, stream_ref stream) const noexcept {
+    if (observer_ != nullptr) observer_(observer_context_, memory_event{action, address, size, stream});
+  }
 
   backend_type& backend() noexcept { return backend_; }
   const backend_type& backend() const noexcept { return backend_; }
@@ -89,12 +102,15 @@ class segment_pool {
     }
     counters_->on_reserve(bytes);
     s->eviction_bytes_ = bytes;
+    s->stream = stream;
     free_.push(*s);
+    tell(memory_action::segment_alloc, s->mapping.base, s->mapping.size, stream);
     return b;
   }
 
   /// Gives a fully free segment back to the backend.
   void drop_segment(segment* s) noexcept {
+    tell(memory_action::segment_free, s->mapping.base, s->mapping.size, s->stream);
     block_type* b = arena_.find(s->mapping.base);
     free_.erase(*s);
     arena_.remove_segment(b);
@@ -176,6 +192,8 @@ class segment_pool {
   node_pool<segment> segments_;
   typename Evict::template queue<segment> free_;
   std::vector<std::size_t> handle_sizes_;
+  memory_observer observer_ = nullptr;
+  void* observer_context_ = nullptr;
 };
 
 }  // namespace glake::detail

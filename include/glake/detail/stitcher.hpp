@@ -32,6 +32,8 @@ namespace glake::detail {
 /// Claiming a range's prefix carves its blocks out of the free blocks of its home segments.
 /// Complexity and allocation: O(log n) lookups, O(k log n) for k pieces plus a driver call per
 /// handle mapped; scratch vectors are kept, so it does not allocate once warm.
+/// While frozen (the allocator retains its memory), no range is evicted or repaired: a mapping
+/// once made stays as it is.
 /// Thread safety: none (the allocator serialises access).
 template <class Pool, class Clocks, stitching_strategy Stitch, eviction_policy Evict, stitch_admission Admission>
 class stitcher {
@@ -58,6 +60,8 @@ class stitcher {
   const range* find(std::uintptr_t address) const noexcept { return cache_.find(address); }
   std::size_t cached_bytes() const noexcept { return cache_.cached_bytes(); }
   const stitch_cache<range, Evict>& cache() const noexcept { return cache_; }
+  /// Frozen: no eviction, no repair (see the class comment).
+  void freeze(bool frozen) noexcept { frozen_ = frozen; }
 
   /// A cached range of `stream` whose first `size` bytes are all free, claimed; or null.
   void* reuse(std::size_t size, std::size_t requested, stream_ref stream) {
@@ -81,7 +85,7 @@ class stitcher {
   /// budget, repaired or grown and claimed; replacing a mapped handle needs the range's free to
   /// have completed. With `may_grow`, new memory makes up for too few free handles.
   void* repair(std::size_t size, std::size_t requested, stream_ref stream, bool may_grow) {
-    if (!cache_.any_cached()) return nullptr;
+    if (frozen_ || !cache_.any_cached()) return nullptr;
     const double limit = admission_->reuse_bound(size);
     range* best = nullptr;
     std::size_t best_cost = admission_->repair_budget(size);  // bytes to map anew
@@ -159,6 +163,7 @@ class stitcher {
   /// the first range whose free has not completed (GMLake's StitchFree); with it, waits for it.
   std::size_t evict(std::size_t bytes, [[maybe_unused]] bool wait) noexcept {
     std::size_t dropped = 0;
+    if (frozen_) return 0;
     while (dropped < bytes) {
       range* s = cache_.victim();
       if (s == nullptr) break;
@@ -178,7 +183,8 @@ class stitcher {
     return dropped;
   }
 
-  /// Drops the cached ranges that map memory of `home`.
+  /// Drops the cached ranges that map memory of `home` (not while frozen: the allocator then
+  /// releases no segment).
   void drop_over(segment* home) noexcept {
     for (auto it = cache_.begin(); it != cache_.end();) {
       range& s = *it++;
@@ -493,6 +499,7 @@ class stitcher {
   std::vector<slot_type> handles_;
   stitch_repair_plan<segment, block_type, handle_type, piece> repair_;
   std::vector<piece> pieces_;
+  bool frozen_ = false;
 };
 
 /// For allocators that never stitch.

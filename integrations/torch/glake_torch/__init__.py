@@ -24,14 +24,24 @@ imports), else a RuntimeError; both say "out of memory" and what glake held (PyT
 a null from a pluggable allocator into an error, so the plug-in's alloc function throws; see
 integrations/torch/README.md).
 
-Nothing here needs torch except enable(); stats(), empty_cache() and reset_peak_stats() work on
-the library alone (load()).
+Memory snapshots: record_memory_history() starts a bounded history of allocations, frees and
+segments, snapshot() returns the state and the history in the dict shape of PyTorch's
+torch.cuda.memory._snapshot(), and dump_snapshot(path) pickles it for PyTorch's viewers
+(python -m torch.cuda._memory_viz stats|trace_plot|segment_plot FILE, or pytorch.org/memory_viz).
+CUDA graphs: enable() installs PyTorch's private-pool hooks (set_begin_allocate_to_pool,
+set_end_allocate_to_pool_fn, set_release_pool) where this PyTorch has them, so that
+torch.cuda.graph captures into a pool of its own.
+
+Nothing here needs torch except enable(); stats(), empty_cache(), reset_peak_stats() and the
+snapshot functions work on the library alone (load()).
 """
 
 import atexit
 import ctypes
 import glob
+import json
 import os
+import pickle
 import sys
 
 __all__ = [
@@ -51,7 +61,14 @@ __all__ = [
     "max_memory_reserved",
     "use_in_torch_cuda",
     "set_memory_fraction",
+    "record_memory_history",
+    "snapshot",
+    "dump_snapshot",
 ]
+
+# PyTorch's _record_memory_history keeps every entry by default (max_entries=sys.maxsize); glake's
+# history is a ring allocated up front, so an unbounded request keeps this many per device.
+DEFAULT_MAX_ENTRIES = 100_000
 
 LIBRARY_NAME = "libglake_torch.so"
 ALLOC_FN = "glake_torch_malloc"
@@ -138,6 +155,10 @@ def load(library=None):
     lib.glake_host_time.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
     lib.glake_flush_traces.restype = None
     lib.glake_flush_traces.argtypes = []
+    lib.glake_record_history.restype = ctypes.c_int
+    lib.glake_record_history.argtypes = [ctypes.c_int, ctypes.c_size_t]
+    lib.glake_snapshot.restype = ctypes.c_size_t
+    lib.glake_snapshot.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
     _names = lib.glake_stats_names().decode().split(",")
     _lib, _lib_path = lib, path
     atexit.register(lib.glake_flush_traces)
@@ -238,6 +259,19 @@ def _install_hooks(torch, allocator, lib):
         installed["record_stream"] = "set_record_stream_fn"
     else:
         installed["record_stream"] = "not installed (no set_record_stream_fn in this PyTorch)"
+    # CUDA graphs' private pools: the three hooks or none (a pool begun but never ended or
+    # released would keep its memory for ever).
+    pool_hooks = (
+        ("set_begin_allocate_to_pool", "glake_begin_allocate_to_pool"),
+        ("set_end_allocate_to_pool_fn", "glake_end_allocate_to_pool"),
+        ("set_release_pool", "glake_release_pool"),
+    )
+    if all(hasattr(raw, setter) for setter, _ in pool_hooks):
+        for setter, function in pool_hooks:
+            getattr(raw, setter)(_function_pointer(lib, function))
+        installed["graph_pools"] = ", ".join(setter for setter, _ in pool_hooks)
+    else:
+        installed["graph_pools"] = "not installed (this PyTorch lacks set_begin_allocate_to_pool and friends)"
     return installed
 
 
@@ -376,14 +410,62 @@ def max_memory_reserved(device=None):
     return stats(device)["peak_reserved_bytes"]
 
 
+def record_memory_history(enabled=True, max_entries=DEFAULT_MAX_ENTRIES):
+    """Starts (enabled true: every device's history emptied, at most `max_entries` kept per
+    device, the newest) or stops (enabled None or False; the entries stay for snapshot()) glake's
+    memory history, as torch.cuda.memory._record_memory_history. Stacks are not recorded (the
+    entries' "frames" are empty). Raises RuntimeError when the history cannot be allocated."""
+    on = bool(enabled) and enabled != "none"
+    if on:
+        max_entries = int(max_entries)
+        if max_entries <= 0:
+            raise ValueError(f"glake_torch: max_entries must be positive, got {max_entries}")
+        if max_entries >= sys.maxsize:
+            max_entries = DEFAULT_MAX_ENTRIES
+    if load().glake_record_history(1 if on else 0, max_entries if on else 0) != 0:
+        raise RuntimeError("glake_torch: the memory history could not be started (see stderr)")
+
+
+def snapshot():
+    """glake's state and memory history in the shape of torch.cuda.memory._snapshot(): a dict
+    with "segments" (per segment: device, address, total_size, allocated_size, active_size,
+    requested_size, stream, segment_type, segment_pool_id, is_expandable, frames, blocks; per
+    block: address, size, requested_size, state, frames) and "device_traces" (per device, the
+    history: action, addr, size, stream, time_us, frames), plus glake's "stitched_ranges".
+    Physical segments are segment_type "large" (the small pool's blocks sit in them, marked
+    "pool": "small"); a live stitched allocation is a segment of segment_type "stitched" whose
+    memory is that of its pieces, shown "inactive" with "stitched_into" in their own segments
+    (see integrations/torch/README.md)."""
+    lib = load()
+    size = lib.glake_snapshot(None, 0)
+    while True:
+        buffer = ctypes.create_string_buffer(size + 4096)
+        written = lib.glake_snapshot(buffer, len(buffer))
+        if written == 0:
+            raise RuntimeError("glake_torch: taking a snapshot failed (see stderr)")
+        if written < len(buffer):
+            return json.loads(buffer.raw[:written])
+        size = written  # it grew in between: ask again with room for it
+
+
+def dump_snapshot(path):
+    """Pickles snapshot() to `path`, as torch.cuda.memory._dump_snapshot does, for
+    python -m torch.cuda._memory_viz and pytorch.org/memory_viz."""
+    data = snapshot()
+    with open(path, "wb") as f:
+        pickle.dump(data, f)
+    return data
+
+
 def use_in_torch_cuda():
     """Makes torch.cuda's statistics answer from glake: torch.cuda.memory_stats (and with it
     memory_allocated, max_memory_allocated, memory_reserved, max_memory_reserved and
     memory_stats_as_nested_dict's flat form, which PyTorch computes from memory_stats) and
-    reset_peak_memory_stats / reset_max_memory_allocated / reset_max_memory_cached. One call, after
-    enable(); code calling those functions then works unchanged. PyTorch's functions are replaced
-    in torch.cuda and torch.cuda.memory (they look memory_stats up there at each call); returns the
-    names replaced."""
+    reset_peak_memory_stats / reset_max_memory_allocated / reset_max_memory_cached, and the memory
+    snapshots: torch.cuda.memory._record_memory_history, _snapshot, _dump_snapshot and
+    torch.cuda.memory_snapshot. One call, after enable(); code calling those functions then works
+    unchanged. PyTorch's functions are replaced in torch.cuda and torch.cuda.memory (they look
+    memory_stats up there at each call); returns the names replaced."""
     import torch
 
     def torch_memory_stats(device=None):
@@ -391,6 +473,20 @@ def use_in_torch_cuda():
 
     def torch_reset_peak_memory_stats(device=None):
         reset_peak_stats(device)
+
+    def torch_record_memory_history(enabled="all", context="all", stacks="all", max_entries=sys.maxsize,
+                                    device=None, *args, **kwargs):
+        # context and stacks: glake records no stacks; the rest of PyTorch's arguments as well.
+        record_memory_history(enabled, max_entries)
+
+    def torch_snapshot(device=None, *args, **kwargs):
+        return snapshot()
+
+    def torch_dump_snapshot(filename="dump_snapshot.pickle"):
+        dump_snapshot(filename)
+
+    def torch_memory_snapshot(*args, **kwargs):
+        return snapshot()["segments"]
 
     replaced = []
     targets = [torch.cuda, getattr(torch.cuda, "memory", None)]
@@ -400,6 +496,10 @@ def use_in_torch_cuda():
             ("reset_peak_memory_stats", torch_reset_peak_memory_stats),
             ("reset_max_memory_allocated", torch_reset_peak_memory_stats),
             ("reset_max_memory_cached", torch_reset_peak_memory_stats),
+            ("_record_memory_history", torch_record_memory_history),
+            ("_snapshot", torch_snapshot),
+            ("_dump_snapshot", torch_dump_snapshot),
+            ("memory_snapshot", torch_memory_snapshot),
         ):
             if hasattr(module, name):
                 setattr(module, name, fn)

@@ -15,6 +15,7 @@ import contextlib
 import ctypes
 import json
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
@@ -94,6 +95,8 @@ def fake_torch(initialized=False, hooks=True):
     if hooks:
         RawAllocator.set_reset_fn = lambda self, ptr: seen.__setitem__("reset_fn", ptr)
         RawAllocator.set_record_stream_fn = lambda self, ptr: seen.__setitem__("record_stream_fn", ptr)
+        for setter in ("set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_release_pool"):
+            setattr(RawAllocator, setter, lambda self, ptr, setter=setter: seen.__setitem__(setter, ptr))
 
     class CUDAPluggableAllocator:
         def __init__(self, path, alloc_fn_name, free_fn_name):
@@ -189,9 +192,16 @@ class Enable(unittest.TestCase):
             self.assertIn("reuse_limit:3", glake_torch.settings())
             self.assertEqual(seen["pluggable"], (os.path.abspath(SIM), "glake_torch_malloc", "glake_free"))
             self.assertIs(seen["current"]._raw, seen["current"].allocator())
-            self.assertEqual(glake_torch.hooks(), {"empty_cache": "set_reset_fn", "record_stream": "set_record_stream_fn"})
+            self.assertEqual(
+                glake_torch.hooks(),
+                {"empty_cache": "set_reset_fn", "record_stream": "set_record_stream_fn",
+                 "graph_pools": "set_begin_allocate_to_pool, set_end_allocate_to_pool_fn, set_release_pool"})
 
             lib = glake_torch.load()
+            for setter, function in (("set_begin_allocate_to_pool", "glake_begin_allocate_to_pool"),
+                                     ("set_end_allocate_to_pool_fn", "glake_end_allocate_to_pool"),
+                                     ("set_release_pool", "glake_release_pool")):
+                self.assertEqual(seen[setter], ctypes.cast(getattr(lib, function), ctypes.c_void_p).value)
             self.assertEqual(seen["record_stream_fn"], ctypes.cast(lib.glake_record_stream, ctypes.c_void_p).value)
             # What PyTorch does on torch.cuda.empty_cache(): call the reset function, no arguments.
             device = 1
@@ -229,6 +239,7 @@ class Enable(unittest.TestCase):
             glake_torch.enable(library=SIM)
             self.assertIn("wrapped", glake_torch.hooks()["empty_cache"])
             self.assertIn("not installed", glake_torch.hooks()["record_stream"])
+            self.assertIn("not installed", glake_torch.hooks()["graph_pools"])
             lib = glake_torch.load()
             device = 5
             p = lib.glake_malloc(4 * MiB, device, None)
@@ -503,6 +514,223 @@ RECORD = textwrap.dedent(
     print(json.dumps({"peaks": peaks, "after": {d: stats(d) for d in (0, 1)}}))
     """
 )
+
+
+def memory_viz():
+    """PyTorch's torch/cuda/_memory_viz.py: torch's own where torch imports, else the file
+    $GLAKE_MEMORY_VIZ names (its plotting and summary functions need nothing of torch); None."""
+    try:
+        from torch.cuda import _memory_viz  # noqa: PLC0415
+
+        return _memory_viz
+    except ImportError:
+        pass
+    path = os.environ.get("GLAKE_MEMORY_VIZ")
+    if not path:
+        return None
+    import importlib.util  # noqa: PLC0415
+
+    spec = importlib.util.spec_from_file_location("_memory_viz", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def replay_like_memory_viz(test, snapshot, device):
+    """What MemoryViz.js's segment view does at each event (simulate_memory, then draw): starting
+    from the snapshot's segments and live blocks, undo the device's events newest first; at every
+    step each live block must lie inside a segment, an undone free_requested must find its block,
+    and an undone segment_map / segment_alloc must find its segment. Returns the steps checked."""
+    segments = [[s["address"], s["total_size"]] for s in snapshot["segments"] if s["device"] == device]
+    blocks = {}
+    for s in snapshot["segments"]:
+        if s["device"] != device:
+            continue
+        at = s["address"]
+        for b in s["blocks"]:
+            test.assertEqual(b["address"], at)  # blocks tile their segment
+            if b["state"] in ("active_allocated", "active_pending_free"):
+                blocks[at] = b["size"]
+            at += b["size"]
+        test.assertEqual(at, s["address"] + s["total_size"])
+
+    def inside(addr):
+        return any(a <= addr < a + n for a, n in segments)
+
+    steps = 0
+    for e in reversed(snapshot["device_traces"][device]):
+        action, addr, size = e["action"], e["addr"], e["size"]
+        if action == "alloc":
+            blocks.pop(addr, None)
+        elif action == "free_completed":
+            blocks[addr] = size
+        elif action == "free_requested":
+            test.assertIn(addr, blocks, f"free_requested of {addr:#x} undone with no block there")
+        elif action in ("segment_free", "segment_unmap"):
+            segments.append([addr, size])
+        elif action in ("segment_alloc", "segment_map"):
+            found = [s for s in segments if s[0] <= addr and addr + size <= s[0] + s[1]]
+            test.assertTrue(found, f"{action} of {addr:#x} undone with no segment there")
+            segments.remove(found[0])
+        for live in blocks:
+            test.assertTrue(inside(live), f"block {live:#x} in no segment after undoing {e}")
+        steps += 1
+    return steps
+
+
+@needs_sim
+class Snapshots(unittest.TestCase):
+    def setUp(self):
+        self.lib = glake_torch.load(SIM)
+
+    def tearDown(self):
+        glake_torch.record_memory_history(enabled=None)
+
+    def segments_of(self, snap, device):
+        return [s for s in snap["segments"] if s["device"] == device]
+
+    def test_segments_blocks_and_history_match_the_allocator(self):
+        lib, device = self.lib, 11
+        glake_torch.record_memory_history(max_entries=1000)
+        sizes = [30 * MiB, 1000, 5 * MiB + 7, 100, 64 * MiB]
+        live = {lib.glake_malloc(n, device, None): n for n in sizes}
+        first, second = list(live)[:2]
+        lib.glake_free(first, live.pop(first), device, None)
+        lib.glake_free(second, live.pop(second), device, None)
+        snap = glake_torch.snapshot()
+        self.assertEqual(set(snap), {"segments", "device_traces", "stitched_ranges"})
+        segments = self.segments_of(snap, device)
+        self.assertTrue(segments)
+        stats = glake_torch.stats(device)
+        self.assertEqual(sum(s["total_size"] for s in segments if s["segment_type"] == "large"), stats["reserved_bytes"])
+        keys = {"device", "address", "total_size", "allocated_size", "active_size", "requested_size", "stream",
+                "segment_type", "segment_pool_id", "is_expandable", "frames", "blocks"}
+        allocated = {}
+        for s in segments:
+            self.assertLessEqual(keys, set(s))
+            self.assertEqual(sum(b["size"] for b in s["blocks"]), s["total_size"])
+            self.assertEqual(s["allocated_size"], sum(b["size"] for b in s["blocks"] if b["state"] == "active_allocated"))
+            self.assertEqual(s["segment_pool_id"], [0, 0])
+            for b in s["blocks"]:
+                self.assertLessEqual({"address", "size", "requested_size", "state", "frames"}, set(b))
+                self.assertIn(b["state"], ("active_allocated", "active_pending_free", "inactive"))
+                if b["state"] == "active_allocated":
+                    allocated[b["address"]] = b["requested_size"]
+        self.assertEqual(allocated, live)
+        self.assertEqual(sum(s["requested_size"] for s in segments), stats["active_bytes"])
+        small = [b for s in segments for b in s["blocks"] if b.get("pool") == "small"]
+        self.assertTrue(any(live.get(b["address"]) == 100 for b in small))
+
+        trace = snap["device_traces"][device]
+        self.assertGreater(len(snap["device_traces"]), device)  # one list per device up to the last one made
+        self.assertEqual([e["size"] for e in trace if e["action"] == "alloc"], sizes)
+        actions = [e["action"] for e in trace if e["action"] != "segment_alloc"]
+        self.assertEqual(actions, ["alloc"] * 5 + ["free_requested", "free_completed"] * 2)
+        self.assertEqual([e["addr"] for e in trace if e["action"] == "free_requested"], [first, second])
+        times = [e["time_us"] for e in trace]
+        self.assertEqual(times, sorted(times))
+        for e in trace:
+            self.assertLessEqual({"action", "addr", "size", "stream", "time_us", "frames"}, set(e))
+        # A segment_alloc comes before the first allocation inside it.
+        alloc_at = {e["addr"]: i for i, e in enumerate(trace) if e["action"] == "alloc"}
+        for i, e in enumerate(trace):
+            if e["action"] == "segment_alloc":
+                inside = [j for a, j in alloc_at.items() if e["addr"] <= a < e["addr"] + e["size"]]
+                self.assertTrue(inside and min(inside) > i)
+        self.assertGreater(replay_like_memory_viz(self, snap, device), 0)
+        for p, n in live.items():
+            lib.glake_free(p, n, device, None)
+
+    def test_history_is_a_bounded_ring_and_stops(self):
+        lib, device = self.lib, 12
+        glake_torch.record_memory_history(max_entries=5)
+        for i in range(10):
+            p = lib.glake_malloc(MiB + i, device, None)
+            lib.glake_free(p, MiB + i, device, None)
+        trace = glake_torch.snapshot()["device_traces"][device]
+        self.assertEqual([e["action"] for e in trace],
+                         ["free_requested", "free_completed", "alloc", "free_requested", "free_completed"])
+        self.assertEqual(trace[2]["size"], MiB + 9)
+        glake_torch.record_memory_history(enabled=None)
+        lib.glake_free(lib.glake_malloc(MiB, device, None), MiB, device, None)
+        self.assertEqual(len(glake_torch.snapshot()["device_traces"][device]), 5)
+        with self.assertRaises(ValueError):
+            glake_torch.record_memory_history(max_entries=0)
+
+    def test_a_stitched_allocation_is_a_segment_of_its_own(self):
+        lib, device = self.lib, 13
+        glake_torch.record_memory_history()
+        blocks = [lib.glake_malloc(100 * MiB, device, None) for _ in range(4)]
+        for p in blocks[0::2]:
+            lib.glake_free(p, 100 * MiB, device, None)
+        stitched = lib.glake_malloc(200 * MiB, device, None)
+        stats = glake_torch.stats(device)
+        self.assertEqual(stats["stitches"], 1)
+        snap = glake_torch.snapshot()
+        segments = self.segments_of(snap, device)
+        mine = [s for s in segments if s["segment_type"] == "stitched"]
+        self.assertEqual(len(mine), 1)
+        seg = mine[0]
+        self.assertEqual(seg["address"], stitched)
+        self.assertEqual(seg["total_size"], 200 * MiB)
+        self.assertEqual(seg["blocks"][0]["state"], "active_allocated")
+        self.assertEqual(seg["blocks"][0]["requested_size"], 200 * MiB)
+        self.assertEqual(sum(p["size"] for p in seg["pieces"]), 200 * MiB)
+        homes = [b for s in segments if s["segment_type"] == "large" for b in s["blocks"] if "stitched_into" in b]
+        self.assertEqual({b["stitched_into"] for b in homes}, {stitched})
+        self.assertEqual(sum(b["size"] for b in homes), 200 * MiB)
+        self.assertTrue(all(b["state"] == "inactive" for b in homes))
+        # Each allocated byte once: the live blocks' requests are the allocator's active bytes.
+        self.assertEqual(sum(s["requested_size"] for s in segments), stats["active_bytes"])
+        self.assertEqual(sum(s["total_size"] for s in segments if s["segment_type"] == "large"), stats["reserved_bytes"])
+        ranges = [r for r in snap["stitched_ranges"] if r["device"] == device]
+        self.assertEqual([(r["address"], r["live"]) for r in ranges], [(stitched, True)])
+        trace = snap["device_traces"][device]
+        self.assertEqual([e["action"] for e in trace if e["addr"] == stitched], ["segment_map", "alloc"])
+        self.assertGreater(replay_like_memory_viz(self, snap, device), 0)
+
+        lib.glake_free(stitched, 200 * MiB, device, None)
+        snap = glake_torch.snapshot()
+        self.assertFalse([s for s in self.segments_of(snap, device) if s["segment_type"] == "stitched"])
+        self.assertEqual([e["action"] for e in snap["device_traces"][device] if e["addr"] == stitched],
+                         ["segment_map", "alloc", "free_requested", "free_completed", "segment_unmap"])
+        self.assertEqual([r["live"] for r in snap["stitched_ranges"] if r["device"] == device], [False])  # cached
+        self.assertGreater(replay_like_memory_viz(self, snap, device), 0)
+        for p in blocks[1::2]:
+            lib.glake_free(p, 100 * MiB, device, None)
+
+    def test_dump_snapshot_pickles_what_pytorchs_viewers_read(self):
+        lib, device = self.lib, 14
+        glake_torch.record_memory_history()
+        live = [(lib.glake_malloc(n, device, None), n) for n in (3 * MiB, 700, 40 * MiB, 200 * MiB)]
+        lib.glake_free(live[0][0], live[0][1], device, None)
+        with captured_stderr():
+            self.assertIsNone(lib.glake_malloc(1 << 50, device, None))  # an oom entry
+        with tempfile.TemporaryDirectory() as directory:
+            path = os.path.join(directory, "snapshot.pickle")
+            written = glake_torch.dump_snapshot(path)
+            with open(path, "rb") as f:
+                data = pickle.load(f)
+            self.assertEqual(data, written)
+            self.assertEqual(data["device_traces"][device][-1]["action"], "oom")
+            self.assertEqual(data["device_traces"][device][-1]["size"], 1 << 50)
+            viz = memory_viz()
+            if viz is None:
+                self.skipTest("torch does not import and GLAKE_MEMORY_VIZ is not set: PyTorch's _memory_viz not run")
+            summary = viz.segsum(data)  # asserts its own accounting
+            self.assertIn("total_reserved", summary)
+            self.assertIn("Device %d" % device, viz.trace(data))
+            for html in (viz.trace_plot(data), viz.trace_plot(data, plot_segments=True), viz.segment_plot(data)):
+                self.assertIn("snapshot.pickle", html)
+                self.assertGreater(len(html), 1000)
+            for cmd in ("stats", "trace_plot", "segment_plot"):
+                out = os.path.join(directory, cmd + ".out")
+                run = subprocess.run([sys.executable, viz.__file__, cmd, path] + ([] if cmd == "stats" else ["-o", out]),
+                                     capture_output=True, text=True)
+                self.assertEqual(run.returncode, 0, run.stderr)
+                self.assertTrue(cmd == "stats" or os.path.getsize(out) > 0)
+        for p, n in live[1:]:
+            lib.glake_free(p, n, device, None)
 
 
 @needs_sim
