@@ -355,8 +355,8 @@ inline std::string trace_file_name(std::string_view pattern, int device, long pi
 /// which the graph's replays use). A block of a pool goes back to that pool only, whenever it is
 /// freed: the pool's free memory serves the pool's later requests (a later capture into it) and
 /// nothing else. release_pool drops one use of the pool (begin adds one, as PyTorch's
-/// use_count); a pool without uses gives all its memory back to the backend as soon as its last
-/// block is freed (PyTorch waits for the next empty_cache). A pool out of memory has the
+/// use_count); a pool without uses gives its free memory back to the backend at once and the
+/// rest as its blocks are freed (PyTorch waits for the next empty_cache). A pool out of memory has the
 /// general allocator's cached memory released and tries once more. Pools are found by a map
 /// from pointer to pool: while a device has pools, each free and record_stream there takes one
 /// mutex and one hash lookup more; without pools, one atomic load. Statistics are the sums over
@@ -646,7 +646,11 @@ class pluggable_allocator {
               static_cast<unsigned long long>(pool.first), static_cast<unsigned long long>(pool.second), device);
         return;
       }
-      if (--p->uses == 0 && p->live == 0) retire(s, p);
+      if (--p->uses != 0) return;
+      if (p->live == 0) return retire(s, p);
+      // Blocks still live (a library's workspace allocated during the capture, a tensor the user
+      // kept): what is free goes back now, the rest as it is freed.
+      release_unused(s, p);
     });
   }
 
@@ -844,8 +848,28 @@ class pluggable_allocator {
     if (history_on_.load(std::memory_order_relaxed)) note_free_requested(s, p, bytes, stream);
     pool->allocator->deallocate(p, bytes, stream);
     s.pool_of.erase(it);
-    if (--pool->live == 0 && pool->uses == 0) retire(s, pool);
+    --pool->live;
+    if (pool->uses == 0) {
+      if (pool->live == 0) {
+        retire(s, pool);
+      } else {
+        release_unused(s, pool);
+      }
+    }
     return true;
+  }
+
+  // A released pool with live blocks keeps only what they need: it stops retaining memory and
+  // gives back its free segments (PyTorch's empty_cache does the same for a released pool).
+  void release_unused(slot& s, private_pool* pool) noexcept {
+    try {
+      if constexpr (memory_retaining_allocator<Allocator>) pool->allocator->retain_memory(false);
+      pool->allocator->release_cached();
+    } catch (const std::exception& e) {
+      error("glake: releasing free memory of pool (%llu, %llu) of device %d failed: %s",
+            static_cast<unsigned long long>(pool->id.first), static_cast<unsigned long long>(pool->id.second),
+            s.device, e.what());
+    }
   }
 
   // A pool without uses or live blocks: its memory goes back through its own release (so that

@@ -54,7 +54,9 @@ CHECKS = {
     """,
     "set_per_process_memory_fraction limits glake and is lifted again": """
         assert glake_torch.hooks().get("memory_fraction") == "set_memory_fraction_fn", glake_torch.hooks()
-        torch.cuda.set_per_process_memory_fraction(0.05)
+        # 4 GiB of whatever the device has: 3 GiB fit, 2 more do not.
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction((4 << 30) / total)
         a = torch.empty(3 << 30, dtype=torch.uint8, device="cuda")
         try:
             torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
