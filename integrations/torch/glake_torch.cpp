@@ -31,6 +31,8 @@
 #include "glake/policies/eviction.hpp"
 #include "glake/policies/locking.hpp"
 #include "glake/policies/stitching.hpp"
+#include "glake/movers/virtual_buffer.hpp"
+#include "movable.hpp"
 #include "settings.hpp"
 
 #if GLAKE_TORCH_SIMULATED
@@ -54,16 +56,29 @@ constexpr const char* backend_name = "simulated";
 
 constexpr std::size_t simulated_device_bytes = 80 * GiB;
 
-std::unique_ptr<allocator_type> make_allocator(int device, const config& settings) {
-  // One simulated device per device id, shared by its general allocator and private pools as a
-  // GPU's memory and addresses are; it lives as long as the process, as the allocators do (see
-  // plugin()).
+// One simulated device per device id, shared by its general allocator, its private pools and
+// its movable buffers as a GPU's memory and addresses are; it lives as long as the process, as
+// the allocators do (see plugin()). Its host tier is unlimited.
+sim_device& simulated_device(int device) {
   static std::mutex mutex;
   static std::array<sim_device*, 64> devices{};
   std::lock_guard guard(mutex);
   sim_device*& d = devices.at(static_cast<std::size_t>(device));
   if (d == nullptr) d = new sim_device(simulated_device_bytes);
-  return std::make_unique<allocator_type>(sim_provider{*d}, sim_reserver{*d}, settings);
+  return *d;
+}
+
+std::unique_ptr<allocator_type> make_allocator(int device, const config& settings) {
+  sim_device& d = simulated_device(device);
+  return std::make_unique<allocator_type>(sim_provider{d}, sim_reserver{d}, settings);
+}
+
+using movable_buffer = virtual_buffer<sim_provider, sim_host_provider, sim_reserver, sim_copier>;
+
+std::unique_ptr<movable_buffer> make_movable(std::size_t bytes, int device) {
+  sim_device& d = simulated_device(device);
+  return std::make_unique<movable_buffer>(sim_provider{d}, sim_host_provider{d}, sim_reserver{d}, sim_copier{d},
+                                          bytes);
 }
 
 std::size_t device_total_bytes(int) { return simulated_device_bytes; }
@@ -122,6 +137,13 @@ std::unique_ptr<allocator_type> make_allocator(int device, const config& setting
   return std::make_unique<allocator_type>(cuda_provider(device), cuda_reserver(device), settings);
 }
 
+using movable_buffer = virtual_buffer<cuda_provider, cuda_host_provider, cuda_reserver, cuda_copier>;
+
+std::unique_ptr<movable_buffer> make_movable(std::size_t bytes, int device) {
+  return std::make_unique<movable_buffer>(cuda_provider(device), cuda_host_provider(device), cuda_reserver(device),
+                                          cuda_copier{}, bytes);
+}
+
 /// The device's memory (cuDeviceTotalMem), what PyTorch's memory fraction is a fraction of; 0
 /// when the driver cannot say.
 std::size_t device_total_bytes(int device) {
@@ -160,6 +182,46 @@ plugin_type& plugin() {
   static plugin_type* const instance = new plugin_type(
       [](int device) { return make_allocator(device, torch_plugin::settings_from_env()); }, plugin_options());
   return *instance;
+}
+
+// The movable buffers (glake_movable_create), never destroyed for the same reason as plugin().
+torch_plugin::movable_registry<movable_buffer>& movables() {
+  static auto* const instance = new torch_plugin::movable_registry<movable_buffer>(
+      [](std::size_t bytes, int device) {
+        device_scope scope(device);
+        return make_movable(bytes, device);
+      });
+  return *instance;
+}
+
+// Why the calling thread's last movable-buffer call failed (glake_last_error).
+thread_local std::string last_error;
+
+// Runs a movable-buffer call: 0, or after one line on stderr (kept for glake_last_error) -1 for
+// misuse, -2 for out of memory, -3 for any other failure.
+template <class F>
+int movable_call(const char* what, const void* ptr, F&& f) noexcept {
+  auto fail = [&](int code, const char* message) {
+    try {
+      last_error = message;
+    } catch (...) {
+    }
+    std::fprintf(stderr, "glake: %s of %p failed: %s\n", what, ptr, message);
+    return code;
+  };
+  try {
+    f();
+    last_error.clear();
+    return 0;
+  } catch (const usage_error& e) {
+    return fail(-1, e.what());
+  } catch (const out_of_memory& e) {
+    return fail(-2, e.what());
+  } catch (const std::exception& e) {
+    return fail(-3, e.what());
+  } catch (...) {
+    return fail(-3, "unknown exception");
+  }
 }
 
 // Host time spent inside the plug-in's allocation calls, for telling a training step's allocator
@@ -511,6 +573,63 @@ GLAKE_TORCH_API void glake_flush_traces(void) {
     plugin().flush_traces();
   } catch (...) {
   }
+}
+
+GLAKE_TORCH_API void* glake_movable_create(size_t bytes, int device) {
+  void* p = nullptr;
+  movable_call("creating a movable buffer", nullptr, [&] { p = movables().create(bytes, device); });
+  return p;
+}
+
+GLAKE_TORCH_API int glake_movable_destroy(void* ptr) {
+  return movable_call("destroying the movable buffer", ptr, [&] {
+    if (!movables().destroy(ptr)) {
+      throw usage_error(usage_error::kind::foreign_pointer, "it is not the first address of a movable buffer");
+    }
+  });
+}
+
+GLAKE_TORCH_API int glake_offload(void* ptr, CUstream_st* stream) {
+  return movable_call("offloading the movable buffer", ptr, [&] {
+    movables().with(ptr, [&](movable_buffer& b, int device) {
+      device_scope scope(device);
+      b.offload(0, b.size(), stream_ref{stream});
+    });
+  });
+}
+
+GLAKE_TORCH_API int glake_prefetch(void* ptr, CUstream_st* stream) {
+  return movable_call("prefetching the movable buffer", ptr, [&] {
+    movables().with(ptr, [&](movable_buffer& b, int device) {
+      device_scope scope(device);
+      b.prefetch(0, b.size(), stream_ref{stream});
+    });
+  });
+}
+
+GLAKE_TORCH_API int glake_residence(const void* ptr) {
+  try {  // a question, not a failure: no line on stderr for a pointer outside every buffer
+    return movables().with(ptr, [&](movable_buffer& b, int) { return static_cast<int>(b.residence_of(0)); });
+  } catch (...) {
+    return -1;
+  }
+}
+
+GLAKE_TORCH_API size_t glake_movable_stats(uint64_t* values, size_t capacity) {
+  try {
+    const auto t = movables().totals();
+    const std::uint64_t all[] = {t.buffers, t.device_bytes, t.host_bytes, t.cached_host_bytes, t.offloaded_bytes,
+                                 t.prefetched_bytes};
+    for (std::size_t i = 0; i < capacity && i < std::size(all); ++i) values[i] = all[i];
+    return std::size(all);
+  } catch (...) {
+    return 0;
+  }
+}
+
+GLAKE_TORCH_API size_t glake_last_error(char* buffer, size_t size) {
+  copy_text(last_error, buffer, size);
+  return last_error.size();
 }
 
 }  // extern "C"

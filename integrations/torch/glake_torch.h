@@ -76,6 +76,37 @@ GLAKE_TORCH_API int glake_settings(char* buffer, size_t size);
 /* "cuda", or "simulated" for the test build over the simulated backend. */
 GLAKE_TORCH_API const char* glake_backend(void);
 
+/* Movable buffers: device memory that moves to host memory and back while its addresses stay
+ * (glake::virtual_buffer, 64 MiB pieces; docs/offload.md). Not blocks of the allocator: they are
+ * made and destroyed here, not by glake_malloc / glake_free, and not counted in glake_stats.
+ * The calls below return 0, or after one line on stderr (also kept for glake_last_error) -1 for
+ * misuse (a pointer in no movable buffer, a buffer not all on the side it leaves), -2 for out of
+ * memory (nothing moved), -3 for another failure. */
+
+/* A movable buffer of at least `bytes` on `device`, all on the device (not zeroed): its first
+ * address, or null. */
+GLAKE_TORCH_API void* glake_movable_create(size_t bytes, int device);
+
+/* Destroys the movable buffer whose first address is `ptr`. Work using it must have completed. */
+GLAKE_TORCH_API int glake_movable_destroy(void* ptr);
+
+/* Moves the movable buffer holding `ptr` to host memory (offload) or back (prefetch), ordered on
+ * `stream`: work queued on it afterwards sees the data. The addresses do not change; device code
+ * may use an offloaded buffer, over the bus. offload returns once its device memory is free. */
+GLAKE_TORCH_API int glake_offload(void* ptr, struct CUstream_st* stream);
+GLAKE_TORCH_API int glake_prefetch(void* ptr, struct CUstream_st* stream);
+
+/* Where the movable buffer holding `ptr` is: 1 device, 2 host; -1 when no movable buffer holds it. */
+GLAKE_TORCH_API int glake_residence(const void* ptr);
+
+/* Writes up to `capacity` of: buffers, device bytes, host bytes, cached host bytes, bytes offloaded
+ * and prefetched so far (all movable buffers); returns how many there are (6). */
+GLAKE_TORCH_API size_t glake_movable_stats(uint64_t* values, size_t capacity);
+
+/* Why the calling thread's last movable-buffer call failed ("" when it did not); truncated to
+ * `size`; returns the message's full length. */
+GLAKE_TORCH_API size_t glake_last_error(char* buffer, size_t size);
+
 /* Writes out buffered trace lines (GLAKE_TRACE); exit() does it as well. */
 GLAKE_TORCH_API void glake_flush_traces(void);
 

@@ -64,6 +64,12 @@ __all__ = [
     "record_memory_history",
     "snapshot",
     "dump_snapshot",
+    "movable_empty",
+    "movable_like",
+    "offload",
+    "prefetch",
+    "residence",
+    "movable_stats",
 ]
 
 # PyTorch's _record_memory_history keeps every entry by default (max_entries=sys.maxsize); glake's
@@ -159,6 +165,19 @@ def load(library=None):
     lib.glake_record_history.argtypes = [ctypes.c_int, ctypes.c_size_t]
     lib.glake_snapshot.restype = ctypes.c_size_t
     lib.glake_snapshot.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    lib.glake_movable_create.restype = ctypes.c_void_p
+    lib.glake_movable_create.argtypes = [ctypes.c_size_t, ctypes.c_int]
+    lib.glake_movable_destroy.restype = ctypes.c_int
+    lib.glake_movable_destroy.argtypes = [ctypes.c_void_p]
+    for name in ("glake_offload", "glake_prefetch"):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.glake_residence.restype = ctypes.c_int
+    lib.glake_residence.argtypes = [ctypes.c_void_p]
+    lib.glake_movable_stats.restype = ctypes.c_size_t
+    lib.glake_movable_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+    lib.glake_last_error.restype = ctypes.c_size_t
+    lib.glake_last_error.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
     _names = lib.glake_stats_names().decode().split(",")
     _lib, _lib_path = lib, path
     atexit.register(lib.glake_flush_traces)
@@ -505,3 +524,132 @@ def use_in_torch_cuda():
                 setattr(module, name, fn)
                 replaced.append(f"{module.__name__}.{name}")
     return replaced
+
+
+# ------------------------------------------------------------------ movable memory (offload)
+
+_RESIDENCE = {1: "device", 2: "host"}
+
+
+def _last_error(lib):
+    buffer = ctypes.create_string_buffer(1024)
+    lib.glake_last_error(buffer, len(buffer))
+    return buffer.value.decode(errors="replace")
+
+
+def _raise_for(code, lib, what):
+    if code == 0:
+        return
+    message = f"glake_torch: {what} failed: {_last_error(lib)}"
+    if code == -1:
+        raise ValueError(message)
+    if code == -2:
+        torch = sys.modules.get("torch")
+        oom = getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None) if torch is not None else None
+        raise (oom or MemoryError)(message)
+    raise RuntimeError(message)
+
+
+class MovableMemory:
+    """One movable buffer (glake_movable_create): `nbytes` of device memory whose address never
+    changes while offload() and prefetch() move it to host memory and back. A tensor made over it
+    (movable_empty) keeps it alive through __cuda_array_interface__; it is destroyed with the last
+    reference, after the device has finished with it (the caller's streams are synchronized first)."""
+
+    def __init__(self, nbytes, device=None, library=None):
+        if nbytes <= 0:
+            raise ValueError(f"glake_torch: a movable buffer of {nbytes} bytes")
+        self._lib = load(library)
+        self.device = _device_index(device)
+        self.nbytes = int(nbytes)
+        self.ptr = self._lib.glake_movable_create(self.nbytes, self.device)
+        if not self.ptr:
+            message = f"glake_torch: a movable buffer of {self.nbytes} bytes on device {self.device}: {_last_error(self._lib)}"
+            if "out of memory" in message or "ran out" in message:
+                torch = sys.modules.get("torch")
+                raise (getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None) or MemoryError)(message)
+            raise RuntimeError(message)
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 2}
+
+    def __del__(self):
+        ptr, self.ptr = getattr(self, "ptr", None), None
+        if ptr:
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_initialized():
+                torch.cuda.synchronize(self.device)
+            self._lib.glake_movable_destroy(ptr)
+
+
+def _stream_handle(stream, device):
+    if stream is None:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return None
+        stream = torch.cuda.current_stream(device)
+    return getattr(stream, "cuda_stream", stream)
+
+
+def movable_empty(*size, dtype=None, device=None):
+    """An uninitialised CUDA tensor of `size` over its own movable buffer (rounded up to 2 MiB):
+    offload(tensor) and prefetch(tensor) move its memory and keep the tensor and its data_ptr()."""
+    import torch
+
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    dtype = torch.get_default_dtype() if dtype is None else dtype
+    numel = 1
+    for n in size:
+        numel *= int(n)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    memory = MovableMemory(max(1, numel * itemsize), device)
+    raw = torch.as_tensor(memory, device=f"cuda:{memory.device}")
+    return raw[: numel * itemsize].view(dtype).view(size)
+
+
+def movable_like(tensor):
+    """movable_empty with `tensor`'s shape, dtype and device, holding a copy of its values."""
+    out = movable_empty(tuple(tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    out.copy_(tensor)
+    return out
+
+
+def _movable_call(name, tensor, stream):
+    lib = load()
+    ptr = tensor.untyped_storage().data_ptr() if hasattr(tensor, "untyped_storage") else int(tensor)
+    device = tensor.device.index if hasattr(tensor, "device") else None
+    code = getattr(lib, "glake_" + name)(ptr, _stream_handle(stream, device))
+    _raise_for(code, lib, name)
+
+
+def offload(tensor, stream=None):
+    """Moves the movable buffer under `tensor` (made by movable_empty) to host memory, ordered on
+    `stream` (default: the current stream): the device memory is free when this returns; the
+    tensor and its data_ptr() stay, and kernels may still read it, over the bus. ValueError for a
+    tensor not over a movable buffer or already offloaded; torch.cuda.OutOfMemoryError when host
+    memory runs out (nothing moved)."""
+    _movable_call("offload", tensor, stream)
+
+
+def prefetch(tensor, stream=None):
+    """Moves it back to device memory, ordered on `stream`: work queued there afterwards sees the
+    data (other streams wait for it, e.g. with wait_stream)."""
+    _movable_call("prefetch", tensor, stream)
+
+
+def residence(tensor):
+    """"device" or "host" for a tensor over a movable buffer, None for any other."""
+    ptr = tensor.untyped_storage().data_ptr() if hasattr(tensor, "untyped_storage") else int(tensor)
+    return _RESIDENCE.get(load().glake_residence(ptr))
+
+
+def movable_stats():
+    """All movable buffers: buffers, device_bytes, host_bytes, cached_host_bytes (host memory kept
+    for the next offload), offloaded_bytes and prefetched_bytes (totals moved)."""
+    lib = load()
+    values = (ctypes.c_uint64 * 6)()
+    n = lib.glake_movable_stats(values, 6)
+    names = ("buffers", "device_bytes", "host_bytes", "cached_host_bytes", "offloaded_bytes", "prefetched_bytes")
+    return dict(zip(names, list(values)[:n]))

@@ -1,0 +1,69 @@
+"""Movable buffers through the plug-in's C interface and glake_torch's functions, without torch or
+a GPU: libglake_torch_sim.so ($GLAKE_TORCH_SIM_LIBRARY, set by CTest), whose movable buffers are
+virtual_buffers over the simulated device and its host tier.
+
+Run: ctest -R torch_plugin.python (with the other Python tests)."""
+
+import os
+import sys
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+import glake_torch  # noqa: E402
+
+SIM = os.environ.get("GLAKE_TORCH_SIM_LIBRARY")
+MiB = 1 << 20
+
+
+@unittest.skipUnless(SIM and os.path.isfile(SIM), "GLAKE_TORCH_SIM_LIBRARY is not set (run through ctest)")
+class MovableTest(unittest.TestCase):
+    def setUp(self):
+        self.lib = glake_torch.load(SIM)
+        self.before = glake_torch.movable_stats()
+
+    def test_offload_and_prefetch_keep_the_address(self):
+        memory = glake_torch.MovableMemory(3 * MiB, device=0)
+        ptr = memory.ptr
+        self.assertTrue(ptr)
+        interface = memory.__cuda_array_interface__
+        self.assertEqual(interface["data"], (ptr, False))
+        self.assertEqual(interface["shape"], (3 * MiB,))
+        self.assertEqual(glake_torch.residence(ptr), "device")
+        self.assertEqual(glake_torch.residence(ptr + 3 * MiB - 1), "device")  # any address inside
+        stats = glake_torch.movable_stats()
+        self.assertEqual(stats["buffers"], self.before["buffers"] + 1)
+        self.assertEqual(stats["device_bytes"], self.before["device_bytes"] + 4 * MiB)  # 2 MiB granules
+
+        glake_torch.offload(ptr + 100)
+        self.assertEqual(memory.ptr, ptr)
+        self.assertEqual(glake_torch.residence(ptr), "host")
+        stats = glake_torch.movable_stats()
+        self.assertEqual(stats["device_bytes"], self.before["device_bytes"])
+        self.assertEqual(stats["host_bytes"], self.before["host_bytes"] + 4 * MiB)
+        with self.assertRaises(ValueError) as caught:
+            glake_torch.offload(ptr)  # already on the host
+        self.assertIn("not on device", str(caught.exception))
+
+        glake_torch.prefetch(ptr)
+        self.assertEqual(glake_torch.residence(ptr), "device")
+        self.assertEqual(glake_torch.movable_stats()["prefetched_bytes"], self.before["prefetched_bytes"] + 4 * MiB)
+        del memory
+        self.assertEqual(glake_torch.movable_stats()["buffers"], self.before["buffers"])
+        self.assertIsNone(glake_torch.residence(ptr))
+
+    def test_misuse_and_exhaustion_are_clear_errors(self):
+        with self.assertRaises(ValueError) as caught:
+            glake_torch.offload(0x1234000)
+        self.assertIn("not inside a movable buffer", str(caught.exception))
+        self.assertIsNone(glake_torch.residence(0x1234000))
+        self.assertEqual(self.lib.glake_movable_destroy(0x1234000), -1)
+        with self.assertRaises(MemoryError):  # the simulated device has 80 GiB
+            glake_torch.MovableMemory(100 << 30, device=0)
+        with self.assertRaises(ValueError):
+            glake_torch.MovableMemory(0)
+        self.assertEqual(glake_torch.movable_stats()["buffers"], self.before["buffers"])
+
+
+if __name__ == "__main__":
+    unittest.main()
