@@ -1131,3 +1131,30 @@ TEST_CASE("retain_memory: nothing is released, unmapped or remapped until it is 
   for (int i : {1, 3}) allocator.deallocate(f.blocks[i], 100 * M);
   allocator.verify();
 }
+
+TEST_CASE("stitching: release_cached(bytes) gives back free segments until that many went back") {
+  sim_device device(4 * GiB);
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device});
+  constexpr std::size_t M = MiB;
+  // Four segments of 64 MiB (each request is one segment of its own), all freed.
+  std::vector<void*> blocks;
+  for (int i = 0; i < 4; ++i) blocks.push_back(allocator.allocate(64 * M));
+  void* live = allocator.allocate(64 * M);
+  for (void* p : blocks) allocator.deallocate(p, 64 * M);
+  const std::size_t held = allocator.stats().reserved_bytes;
+  REQUIRE(held >= 5 * 64 * M);
+
+  const std::size_t released = allocator.release_cached(100 * M);
+  CHECK(released >= 100 * M);
+  CHECK(released < held - 64 * M);  // not everything free went back
+  CHECK(allocator.stats().reserved_bytes == held - released);
+  CHECK(device.physical_bytes() == held - released);
+  // Asking for more than is free gives back what is free; the live block's segment stays.
+  const std::size_t rest = allocator.release_cached(10 * GiB);
+  CHECK(allocator.stats().reserved_bytes == held - released - rest);
+  CHECK(allocator.stats().reserved_bytes >= 64 * M);
+  CHECK(allocator.release_cached(M) == 0);
+  allocator.verify();
+  allocator.deallocate(live, 64 * M);
+  CHECK(device.violations() == 0);
+}

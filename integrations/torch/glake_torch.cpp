@@ -602,7 +602,17 @@ GLAKE_TORCH_API int glake_prefetch(void* ptr, CUstream_st* stream) {
   return movable_call("prefetching the movable buffer", ptr, [&] {
     movables().with(ptr, [&](movable_buffer& b, int device) {
       device_scope scope(device);
-      b.prefetch(0, b.size(), stream_ref{stream});
+      // The memory comes back in place of what glake's allocator caches on the device (memory
+      // that an offload freed and the allocator grew into meanwhile), not on top of it; with the
+      // whole cache released once more if that is not enough.
+      const std::size_t needed = b.stats().host_bytes;
+      plugin().release_cached(device, needed);
+      try {
+        b.prefetch(0, b.size(), stream_ref{stream});
+      } catch (const out_of_memory&) {
+        plugin().release_cached(device);
+        b.prefetch(0, b.size(), stream_ref{stream});
+      }
     });
   });
 }

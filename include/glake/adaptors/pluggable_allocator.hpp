@@ -513,6 +513,25 @@ class pluggable_allocator {
     });
   }
 
+  /// Gives back at least `bytes` of `device`'s cached memory where it has that much (the
+  /// allocator's release_cached(bytes)); returns how much went back, 0 for a device without an
+  /// allocator or on failure (logged).
+  std::size_t release_cached(int device, std::size_t bytes) noexcept
+    requires partly_cache_releasing_allocator<Allocator>
+  {
+    try {
+      DeviceScope scope(device);
+      slot* s = registry_.find(device);
+      if (s == nullptr) return 0;
+      const std::size_t released = s->allocator->release_cached(bytes);
+      if (s->trace) s->trace->reserved(s->allocator->reserved_bytes());
+      return released;
+    } catch (const std::exception& e) {
+      error("glake: releasing %zu cached bytes on device %d failed: %s", bytes, device, e.what());
+      return 0;
+    }
+  }
+
   /// Holds `device`'s physical memory to `bytes` from now on (0: no limit; the allocator's
   /// set_memory_limit), making its allocator if it has none yet, so a limit set before the first
   /// allocation holds from the start. False, logged, when the device id is out of range or the

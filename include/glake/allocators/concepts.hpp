@@ -119,6 +119,18 @@ concept cache_releasing_allocator = allocator<A> && requires(A& a) {
   { a.release_cached() } -> std::same_as<void>;
 };
 
+// partly_cache_releasing_allocator (refines cache_releasing_allocator)
+//
+// | expression          | returns     | throws        | meaning
+// |---------------------|-------------|---------------|------------------------------------------
+// | a.release_cached(n) | std::size_t | driver errors | held memory not in use goes back until at
+// |                     |             |               | least n bytes did (or none is left); how
+// |                     |             |               | many went back
+template <class A>
+concept partly_cache_releasing_allocator = cache_releasing_allocator<A> && requires(A& a, std::size_t bytes) {
+  { a.release_cached(bytes) } -> std::same_as<std::size_t>;
+};
+
 // peak_resetting_allocator
 //
 // | expression      | returns    | throws | meaning

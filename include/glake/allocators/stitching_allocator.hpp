@@ -190,6 +190,22 @@ class stitching_allocator {
     release_cached_locked();
   }
 
+  /// Gives fully free segments back until at least `bytes` went back, or none is left; returns
+  /// how many bytes went back. Lets memory that moves into the device from elsewhere (a
+  /// virtual_buffer's prefetch) take the place of what this allocator caches, without emptying
+  /// the whole cache. Nothing while retaining memory (retain_memory).
+  std::size_t release_cached(std::size_t bytes) {
+    std::lock_guard guard(lock_);
+    finish_deferred(true);
+    std::size_t released = release_free_segments(bytes);
+    if (released < bytes && !retain_) {
+      // Empty small-pool segments are borrowed blocks of this pool: returned, they may free one.
+      small_.release_free_segments(~std::size_t{0});
+      released += release_free_segments(bytes - released);
+    }
+    return released;
+  }
+
   /// Physical memory is held up to `bytes` from now on (0: no limit; PyTorch's
   /// set_per_process_memory_fraction). When more is held than the new limit, cached memory is
   /// released at once; live allocations stay valid, and growth is refused until enough of them
@@ -745,6 +761,7 @@ static_assert(snapshotting_allocator<
 static_assert(memory_limiting_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
 static_assert(owning_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
 static_assert(cache_releasing_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
+static_assert(partly_cache_releasing_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
 static_assert(peak_resetting_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
 static_assert(stream_recording_allocator<
               stitching_allocator<detail::provider_archetype, detail::evented_reserver_archetype, no_stitching>>);
