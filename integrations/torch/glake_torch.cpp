@@ -589,33 +589,49 @@ GLAKE_TORCH_API int glake_movable_destroy(void* ptr) {
   });
 }
 
-GLAKE_TORCH_API int glake_offload(void* ptr, CUstream_st* stream) {
-  return movable_call("offloading the movable buffer", ptr, [&] {
-    movables().with(ptr, [&](movable_buffer& b, int device) {
-      device_scope scope(device);
-      b.offload(0, b.size(), stream_ref{stream});
-    });
+GLAKE_TORCH_API int glake_offload_many(void* const* ptrs, size_t count, CUstream_st* stream) {
+  return movable_call("offloading movable buffers", count != 0 ? ptrs[0] : nullptr, [&] {
+    for (std::size_t i = 0; i < count; ++i) {
+      movables().with(ptrs[i], [&](movable_buffer& b, int device) {
+        device_scope scope(device);
+        b.offload(0, b.size(), stream_ref{stream});
+      });
+    }
   });
 }
 
-GLAKE_TORCH_API int glake_prefetch(void* ptr, CUstream_st* stream) {
-  return movable_call("prefetching the movable buffer", ptr, [&] {
-    movables().with(ptr, [&](movable_buffer& b, int device) {
-      device_scope scope(device);
-      // The memory comes back in place of what glake's allocator caches on the device (memory
-      // that an offload freed and the allocator grew into meanwhile), not on top of it; with the
-      // whole cache released once more if that is not enough.
-      const std::size_t needed = b.stats().host_bytes;
-      plugin().release_cached(device, needed);
-      try {
-        b.prefetch(0, b.size(), stream_ref{stream});
-      } catch (const out_of_memory&) {
-        plugin().release_cached(device);
-        b.prefetch(0, b.size(), stream_ref{stream});
-      }
-    });
+GLAKE_TORCH_API int glake_offload(void* ptr, CUstream_st* stream) { return glake_offload_many(&ptr, 1, stream); }
+
+GLAKE_TORCH_API int glake_prefetch_many(void* const* ptrs, size_t count, CUstream_st* stream) {
+  return movable_call("prefetching movable buffers", count != 0 ? ptrs[0] : nullptr, [&] {
+    // The memory comes back in place of what glake's allocator caches on the device (memory
+    // that the offloads freed and the allocator grew into meanwhile), not on top of it: what the
+    // buffers need is released from the cache once for all of them (releasing waits for the
+    // work queued on the device, so once is cheaper); if that is not enough, the whole cache.
+    std::array<std::size_t, 64> needed{};
+    for (std::size_t i = 0; i < count; ++i) {
+      movables().with(ptrs[i], [&](movable_buffer& b, int device) {
+        if (device >= 0 && static_cast<std::size_t>(device) < needed.size()) needed[device] += b.stats().host_bytes;
+      });
+    }
+    for (std::size_t d = 0; d < needed.size(); ++d) {
+      if (needed[d] != 0) plugin().release_cached(static_cast<int>(d), needed[d]);
+    }
+    for (std::size_t i = 0; i < count; ++i) {
+      movables().with(ptrs[i], [&](movable_buffer& b, int device) {
+        device_scope scope(device);
+        try {
+          b.prefetch(0, b.size(), stream_ref{stream});
+        } catch (const out_of_memory&) {
+          plugin().release_cached(device);
+          b.prefetch(0, b.size(), stream_ref{stream});
+        }
+      });
+    }
   });
 }
+
+GLAKE_TORCH_API int glake_prefetch(void* ptr, CUstream_st* stream) { return glake_prefetch_many(&ptr, 1, stream); }
 
 GLAKE_TORCH_API int glake_residence(const void* ptr) {
   try {  // a question, not a failure: no line on stderr for a pointer outside every buffer

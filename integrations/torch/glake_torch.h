@@ -96,6 +96,11 @@ GLAKE_TORCH_API int glake_movable_destroy(void* ptr);
 GLAKE_TORCH_API int glake_offload(void* ptr, struct CUstream_st* stream);
 GLAKE_TORCH_API int glake_prefetch(void* ptr, struct CUstream_st* stream);
 
+/* The same for `count` buffers, in order; stops at the first failure (the buffers before it have
+ * moved). glake_prefetch_many releases what they need from glake's cache once for all. */
+GLAKE_TORCH_API int glake_offload_many(void* const* ptrs, size_t count, struct CUstream_st* stream);
+GLAKE_TORCH_API int glake_prefetch_many(void* const* ptrs, size_t count, struct CUstream_st* stream);
+
 /* Where the movable buffer holding `ptr` is: 1 device, 2 host; -1 when no movable buffer holds it. */
 GLAKE_TORCH_API int glake_residence(const void* ptr);
 

@@ -172,6 +172,9 @@ def load(library=None):
     for name in ("glake_offload", "glake_prefetch"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    for name in ("glake_offload_many", "glake_prefetch_many"):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_void_p]
     lib.glake_residence.restype = ctypes.c_int
     lib.glake_residence.argtypes = [ctypes.c_void_p]
     lib.glake_movable_stats.restype = ctypes.c_size_t
@@ -616,33 +619,42 @@ def movable_like(tensor):
     return out
 
 
-def _movable_call(name, tensor, stream):
+def _pointer(tensor):
+    return tensor.untyped_storage().data_ptr() if hasattr(tensor, "untyped_storage") else int(tensor)
+
+
+def _movable_call(name, tensors, stream):
     lib = load()
-    ptr = tensor.untyped_storage().data_ptr() if hasattr(tensor, "untyped_storage") else int(tensor)
-    device = tensor.device.index if hasattr(tensor, "device") else None
-    code = getattr(lib, "glake_" + name)(ptr, _stream_handle(stream, device))
+    many = isinstance(tensors, (list, tuple))
+    items = list(tensors) if many else [tensors]
+    if not items:
+        return
+    device = getattr(getattr(items[0], "device", None), "index", None)
+    pointers = (ctypes.c_void_p * len(items))(*[_pointer(t) for t in items])
+    code = getattr(lib, f"glake_{name}_many")(pointers, len(items), _stream_handle(stream, device))
     _raise_for(code, lib, name)
 
 
-def offload(tensor, stream=None):
-    """Moves the movable buffer under `tensor` (made by movable_empty) to host memory, ordered on
-    `stream` (default: the current stream): the device memory is free when this returns; the
-    tensor and its data_ptr() stay, and kernels may still read it, over the bus. ValueError for a
-    tensor not over a movable buffer or already offloaded; torch.cuda.OutOfMemoryError when host
-    memory runs out (nothing moved)."""
-    _movable_call("offload", tensor, stream)
+def offload(tensors, stream=None):
+    """Moves the movable buffer under a tensor (made by movable_empty), or under each of a list
+    of them, to host memory, ordered on `stream` (default: the current stream): the device memory
+    is free when this returns; the tensors and their data_ptr() stay, and kernels may still read
+    them, over the bus. ValueError for a tensor not over a movable buffer or already offloaded;
+    torch.cuda.OutOfMemoryError when host memory runs out (nothing of that buffer moved). The
+    call holds no Python lock while it waits: run it on a helper thread to overlap it with work."""
+    _movable_call("offload", tensors, stream)
 
 
-def prefetch(tensor, stream=None):
-    """Moves it back to device memory, ordered on `stream`: work queued there afterwards sees the
-    data (other streams wait for it, e.g. with wait_stream)."""
-    _movable_call("prefetch", tensor, stream)
+def prefetch(tensors, stream=None):
+    """Moves them back to device memory, ordered on `stream`: work queued there afterwards sees
+    the data (other streams wait for it, e.g. with wait_stream). Where glake is PyTorch's
+    allocator, the memory they need is first released from its cache (once for a list)."""
+    _movable_call("prefetch", tensors, stream)
 
 
 def residence(tensor):
     """"device" or "host" for a tensor over a movable buffer, None for any other."""
-    ptr = tensor.untyped_storage().data_ptr() if hasattr(tensor, "untyped_storage") else int(tensor)
-    return _RESIDENCE.get(load().glake_residence(ptr))
+    return _RESIDENCE.get(load().glake_residence(_pointer(tensor)))
 
 
 def movable_stats():

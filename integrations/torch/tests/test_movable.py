@@ -52,6 +52,19 @@ class MovableTest(unittest.TestCase):
         self.assertEqual(glake_torch.movable_stats()["buffers"], self.before["buffers"])
         self.assertIsNone(glake_torch.residence(ptr))
 
+    def test_lists_move_together(self):
+        memories = [glake_torch.MovableMemory(2 * MiB, device=0) for _ in range(3)]
+        pointers = [m.ptr for m in memories]
+        glake_torch.offload(pointers)
+        self.assertEqual([glake_torch.residence(p) for p in pointers], ["host"] * 3)
+        glake_torch.prefetch(pointers)
+        self.assertEqual([glake_torch.residence(p) for p in pointers], ["device"] * 3)
+        # A failure stops the list there: the first moved, the second refused.
+        glake_torch.offload(pointers[1])
+        with self.assertRaises(ValueError):
+            glake_torch.offload(pointers)
+        self.assertEqual([glake_torch.residence(p) for p in pointers], ["host", "host", "device"])
+
     def test_misuse_and_exhaustion_are_clear_errors(self):
         with self.assertRaises(ValueError) as caught:
             glake_torch.offload(0x1234000)
