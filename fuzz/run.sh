@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the fuzz targets (build/fuzz, Clang, -fsanitize=fuzzer,address,undefined) and runs each
 # for a bounded time from its committed corpus. Usage:
-#   fuzz/run.sh [SECONDS] [TARGET...]    TARGET: trace config alloc_ops snapshot (default: all)
+#   fuzz/run.sh [SECONDS] [TARGET...]    TARGET: trace config alloc_ops tiered_ops snapshot (default: all)
 # First reruns every committed reproducer in fuzz/crashes/<target>/ (each must now pass), then
 # fuzzes with fuzz/corpus/<target> as seeds; new inputs go to build/fuzz/corpus/<target>, never
 # to the committed corpus. Two targets run at a time. A crash prints the reproducer's path and
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 seconds=${1:-60}
 shift || true
 targets=("$@")
-((${#targets[@]})) || targets=(trace config alloc_ops snapshot)
+((${#targets[@]})) || targets=(trace config alloc_ops tiered_ops snapshot)
 build=build/fuzz
 
 cxx=${CLANGXX:-}
@@ -100,7 +100,7 @@ report() {
   fi
   local log=$build/logs/$t.log
   echo "=== fuzz $t: ${status[$t]} (log: $log) ==="
-  grep -E "^(alloc_ops_fuzzer|snapshot_fuzz|stat::number_of_executed_units|stat::peak_rss_mb|#[0-9]+ +DONE)" "$log" | tail -5
+  grep -E "^(alloc_ops_fuzzer|tiered_ops_fuzzer|snapshot_fuzz|stat::number_of_executed_units|stat::peak_rss_mb|#[0-9]+ +DONE)" "$log" | tail -5
   if [[ ${status[$t]} == FAIL ]]; then
     grep -E "ERROR:|check failed|REPRODUCER|Uncaught|^[A-Za-z]*Error|SUMMARY" "$log" | head -8
     local artifact
@@ -113,7 +113,7 @@ report() {
 }
 
 for t in "${targets[@]}"; do
-  case $t in trace | config | alloc_ops | snapshot) ;; *)
+  case $t in trace | config | alloc_ops | tiered_ops | snapshot) ;; *)
     echo "fuzz/run.sh: unknown target '$t'" >&2
     exit 2
     ;;
