@@ -197,6 +197,24 @@ torch_plugin::movable_registry<movable_buffer>& movables() {
 // Why the calling thread's last movable-buffer call failed (glake_last_error).
 thread_local std::string last_error;
 
+// The calling thread's movable scope (glake_set_movable_scope): requests of at least this many
+// bytes get movable buffers of their own; 0: none do.
+thread_local std::size_t movable_min_bytes = 0;
+
+bool in_movable_scope(std::size_t bytes) noexcept { return movable_min_bytes != 0 && bytes >= movable_min_bytes; }
+
+// A movable buffer for an allocation; out of memory once both caches were released is thrown.
+void* movable_allocate(std::size_t bytes, int device, stream_ref stream) {
+  device_scope scope(device);
+  try {
+    return movables().acquire(bytes, device, stream);
+  } catch (const out_of_memory&) {
+    movables().release_cached(device);
+    plugin().release_cached(device);
+    return movables().acquire(bytes, device, stream);
+  }
+}
+
 // Runs a movable-buffer call: 0, or after one line on stderr (kept for glake_last_error) -1 for
 // misuse, -2 for out of memory, -3 for any other failure.
 template <class F>
@@ -430,6 +448,14 @@ extern "C" {
 
 GLAKE_TORCH_API void* glake_malloc(size_t size, int device, CUstream_st* stream) {
   const timed_call timed;
+  if (in_movable_scope(size)) {
+    try {
+      return movable_allocate(size, device, stream_ref{stream});
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "glake: a movable allocation of %zu bytes on device %d failed: %s\n", size, device, e.what());
+      return nullptr;
+    }
+  }
   try {
     return plugin().allocate(size, device, stream_ref{stream});
   } catch (...) {
@@ -439,6 +465,18 @@ GLAKE_TORCH_API void* glake_malloc(size_t size, int device, CUstream_st* stream)
 
 GLAKE_TORCH_API void* glake_torch_malloc(size_t size, int device, CUstream_st* stream) {
   const timed_call timed;
+  if (in_movable_scope(size)) {
+#if GLAKE_TORCH_WITH_C10
+    try {
+      return movable_allocate(size, device, stream_ref{stream});
+    } catch (const out_of_memory& e) {
+      throw c10::OutOfMemoryError(c10::SourceLocation{__func__, __FILE__, static_cast<std::uint32_t>(__LINE__)},
+                                  e.what());
+    }
+#else
+    return movable_allocate(size, device, stream_ref{stream});
+#endif
+  }
 #if GLAKE_TORCH_WITH_C10
   // Built against torch's own headers and libc10: out of memory is c10::OutOfMemoryError, which
   // PyTorch raises in Python as torch.cuda.OutOfMemoryError, with glake's message.
@@ -456,6 +494,11 @@ GLAKE_TORCH_API void* glake_torch_malloc(size_t size, int device, CUstream_st* s
 GLAKE_TORCH_API void glake_free(void* ptr, size_t size, int device, CUstream_st* stream) {
   const timed_call timed;
   try {
+    if (movables().holds(ptr)) {
+      device_scope scope(device);
+      movables().recycle(ptr, stream_ref{stream});
+      return;
+    }
     plugin().deallocate(ptr, size, device, stream_ref{stream});
   } catch (...) {
   }
@@ -464,6 +507,7 @@ GLAKE_TORCH_API void glake_free(void* ptr, size_t size, int device, CUstream_st*
 GLAKE_TORCH_API void glake_record_stream(void* ptr, CUstream_st* stream) {
   const timed_call timed;
   try {
+    if (movables().record_stream(ptr, stream_ref{stream})) return;
     plugin().record_stream(ptr, stream_ref{stream});
   } catch (...) {
   }
@@ -471,6 +515,7 @@ GLAKE_TORCH_API void glake_record_stream(void* ptr, CUstream_st* stream) {
 
 GLAKE_TORCH_API void glake_empty_cache(int device) {
   try {
+    movables().release_cached(device);
     plugin().release_cached(device);
   } catch (...) {
   }
@@ -644,13 +689,20 @@ GLAKE_TORCH_API int glake_residence(const void* ptr) {
 GLAKE_TORCH_API size_t glake_movable_stats(uint64_t* values, size_t capacity) {
   try {
     const auto t = movables().totals();
-    const std::uint64_t all[] = {t.buffers, t.device_bytes, t.host_bytes, t.cached_host_bytes, t.offloaded_bytes,
-                                 t.prefetched_bytes};
+    const std::uint64_t all[] = {t.buffers,         t.device_bytes,     t.host_bytes,
+                                 t.cached_host_bytes, t.offloaded_bytes, t.prefetched_bytes,
+                                 t.cached_buffer_bytes, t.cache_reuses};
     for (std::size_t i = 0; i < capacity && i < std::size(all); ++i) values[i] = all[i];
     return std::size(all);
   } catch (...) {
     return 0;
   }
+}
+
+GLAKE_TORCH_API size_t glake_set_movable_scope(size_t min_bytes) {
+  const std::size_t previous = movable_min_bytes;
+  movable_min_bytes = min_bytes;
+  return previous;
 }
 
 GLAKE_TORCH_API size_t glake_last_error(char* buffer, size_t size) {

@@ -104,8 +104,16 @@ GLAKE_TORCH_API int glake_prefetch_many(void* const* ptrs, size_t count, struct 
 /* Where the movable buffer holding `ptr` is: 1 device, 2 host; -1 when no movable buffer holds it. */
 GLAKE_TORCH_API int glake_residence(const void* ptr);
 
+/* From now on, on the calling thread, requests to glake_malloc / glake_torch_malloc of at least
+ * `min_bytes` (0: none) get movable buffers of their own instead of the allocator's blocks, so
+ * tensors made then (a forward pass's activations) can be offloaded and prefetched; glake_free
+ * returns them to a cache (same rounded size, device and stream), glake_empty_cache releases it.
+ * Returns the previous value, for nesting. */
+GLAKE_TORCH_API size_t glake_set_movable_scope(size_t min_bytes);
+
 /* Writes up to `capacity` of: buffers, device bytes, host bytes, cached host bytes, bytes offloaded
- * and prefetched so far (all movable buffers); returns how many there are (6). */
+ * and prefetched so far, bytes of freed allocations cached, reuses of them (all movable buffers);
+ * returns how many there are (8). */
 GLAKE_TORCH_API size_t glake_movable_stats(uint64_t* values, size_t capacity);
 
 /* Why the calling thread's last movable-buffer call failed ("" when it did not); truncated to

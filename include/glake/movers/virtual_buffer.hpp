@@ -189,12 +189,13 @@ class virtual_buffer {
   void commit(std::size_t offset, std::size_t bytes) {
     const auto [first, last] = piece_range("commit", offset, bytes);
     std::vector<std::size_t> made;
+    std::size_t made_bytes = 0;
     try {
       made.reserve(last - first);
       for (std::size_t i = first; i < last; ++i) {
         if (pieces_[i].where != residence::none) continue;
         const std::optional<device_handle> h = device_.try_create(size_of(i));
-        if (!h) throw_out_of_memory("committing", first, last, "the device provider ran out of memory");
+        if (!h) throw_out_of_memory("committing", first, last, "the device provider ran out of memory", made_bytes);
         bool mapped = false;
         try {
           mapped = map_new(i, *h);
@@ -204,13 +205,15 @@ class virtual_buffer {
         }
         if (!mapped) {
           device_.release(*h);
-          throw_out_of_memory("committing", first, last, "mapping the new device memory ran out of resources");
+          throw_out_of_memory("committing", first, last, "mapping the new device memory ran out of resources",
+                              made_bytes);
         }
         pieces_[i].where = residence::device;
         pieces_[i].device = *h;
         device_bytes_ += size_of(i);
+        made_bytes += size_of(i);
         made.push_back(i);
-        shadow_piece(i, first, last);
+        shadow_piece(i, first, last, made_bytes);
       }
     } catch (...) {
       for (std::size_t i : made) drop_piece(i);
@@ -464,12 +467,14 @@ class virtual_buffer {
            std::to_string(i * piece_) + ")";
   }
 
-  [[noreturn]] void throw_out_of_memory(const char* what, std::size_t first, std::size_t last,
-                                        const char* why) const {
+  // `undone`: device bytes this call added and will take back before the exception leaves it.
+  [[noreturn]] void throw_out_of_memory(const char* what, std::size_t first, std::size_t last, const char* why,
+                                        std::size_t undone = 0) const {
     const std::size_t bytes = std::min(size_, last * piece_) - first * piece_;
-    throw out_of_memory(bytes, device_bytes_ + host_bytes_, device_bytes_,
+    const std::size_t device = device_bytes_ - undone;
+    throw out_of_memory(bytes, device + host_bytes_, device,
                         std::string("glake::virtual_buffer: ") + what + " " + format_bytes(bytes) + " failed: " + why +
-                            " (the buffer holds " + format_bytes(device_bytes_) + " on the device, " +
+                            " (the buffer holds " + format_bytes(device) + " on the device, " +
                             format_bytes(host_bytes_) + " on the host, " + format_bytes(cached_bytes_) +
                             " of cached host memory; nothing was moved)");
   }
@@ -528,12 +533,12 @@ class virtual_buffer {
   }
 
   // Maps piece i's device handle (or `h`) at its shadow too; out_of_memory when out of resources.
-  void shadow_piece(std::size_t i, std::size_t first, std::size_t last) {
-    shadow_piece_with(i, pieces_[i].device, first, last);
+  void shadow_piece(std::size_t i, std::size_t first, std::size_t last, std::size_t undone = 0) {
+    shadow_piece_with(i, pieces_[i].device, first, last, undone);
   }
-  void shadow_piece_with(std::size_t i, device_handle h, std::size_t first, std::size_t last) {
+  void shadow_piece_with(std::size_t i, device_handle h, std::size_t first, std::size_t last, std::size_t undone = 0) {
     if (!map_new_at(shadow(i), size_of(i), h)) {
-      throw_out_of_memory("mapping", first, last, "mapping device memory a second time ran out of resources");
+      throw_out_of_memory("mapping", first, last, "mapping device memory a second time ran out of resources", undone);
     }
     pieces_[i].shadowed = true;
   }

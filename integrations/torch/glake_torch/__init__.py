@@ -70,6 +70,7 @@ __all__ = [
     "prefetch",
     "residence",
     "movable_stats",
+    "movable_allocations",
 ]
 
 # PyTorch's _record_memory_history keeps every entry by default (max_entries=sys.maxsize); glake's
@@ -179,6 +180,8 @@ def load(library=None):
     lib.glake_residence.argtypes = [ctypes.c_void_p]
     lib.glake_movable_stats.restype = ctypes.c_size_t
     lib.glake_movable_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+    lib.glake_set_movable_scope.restype = ctypes.c_size_t
+    lib.glake_set_movable_scope.argtypes = [ctypes.c_size_t]
     lib.glake_last_error.restype = ctypes.c_size_t
     lib.glake_last_error.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
     _names = lib.glake_stats_names().decode().split(",")
@@ -659,9 +662,32 @@ def residence(tensor):
 
 def movable_stats():
     """All movable buffers: buffers, device_bytes, host_bytes, cached_host_bytes (host memory kept
-    for the next offload), offloaded_bytes and prefetched_bytes (totals moved)."""
+    for the next offload), offloaded_bytes and prefetched_bytes (totals moved), cached_buffer_bytes
+    (freed movable allocations kept for reuse) and cache_reuses."""
     lib = load()
-    values = (ctypes.c_uint64 * 6)()
-    n = lib.glake_movable_stats(values, 6)
-    names = ("buffers", "device_bytes", "host_bytes", "cached_host_bytes", "offloaded_bytes", "prefetched_bytes")
+    names = ("buffers", "device_bytes", "host_bytes", "cached_host_bytes", "offloaded_bytes", "prefetched_bytes",
+             "cached_buffer_bytes", "cache_reuses")
+    values = (ctypes.c_uint64 * len(names))()
+    n = lib.glake_movable_stats(values, len(names))
     return dict(zip(names, list(values)[:n]))
+
+
+class movable_allocations:
+    """Within this block, on this thread, CUDA requests of at least `min_bytes` through glake get
+    movable buffers of their own: the tensors made then (e.g. a forward pass's activations) can
+    be offloaded and prefetched under the same data_ptr(). Frees keep them for reuse by the same
+    size on the same stream; torch.cuda.empty_cache() releases them. Nests."""
+
+    def __init__(self, min_bytes=1 << 20):
+        if min_bytes <= 0:
+            raise ValueError("glake_torch: movable_allocations needs min_bytes > 0")
+        self.min_bytes = int(min_bytes)
+        self._previous = 0
+
+    def __enter__(self):
+        self._previous = load().glake_set_movable_scope(self.min_bytes)
+        return self
+
+    def __exit__(self, *exc):
+        load().glake_set_movable_scope(self._previous)
+        return False

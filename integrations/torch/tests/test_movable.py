@@ -65,6 +65,44 @@ class MovableTest(unittest.TestCase):
             glake_torch.offload(pointers)
         self.assertEqual([glake_torch.residence(p) for p in pointers], ["host", "host", "device"])
 
+    def test_a_movable_scope_serves_allocations_with_movable_buffers_and_caches_them(self):
+        lib = self.lib
+        with glake_torch.movable_allocations(min_bytes=4 * MiB):
+            small = lib.glake_malloc(MiB, 0, None)  # under the threshold: an ordinary block
+            big = lib.glake_malloc(6 * MiB, 0, None)
+            with glake_torch.movable_allocations(min_bytes=64 * MiB):  # nests
+                ordinary = lib.glake_malloc(6 * MiB, 0, None)
+            again = lib.glake_malloc(6 * MiB, 0, None)
+        outside = lib.glake_malloc(6 * MiB, 0, None)
+        self.assertEqual(glake_torch.residence(big), "device")
+        self.assertEqual(glake_torch.residence(again), "device")
+        for p in (small, ordinary, outside):
+            self.assertIsNone(glake_torch.residence(p))
+        glake_torch.offload(big)
+        self.assertEqual(glake_torch.residence(big), "host")
+        stats = glake_torch.movable_stats()
+        self.assertEqual(stats["buffers"], self.before["buffers"] + 2)
+        # Freed on the device: cached and served again for the same size and stream; freed
+        # offloaded: destroyed.
+        lib.glake_free(again, 6 * MiB, 0, None)
+        self.assertEqual(glake_torch.movable_stats()["cached_buffer_bytes"], 6 * MiB)
+        self.assertIsNone(glake_torch.residence(again))  # a cached buffer is no live allocation
+        lib.glake_free(big, 6 * MiB, 0, None)
+        self.assertEqual(glake_torch.movable_stats()["buffers"], self.before["buffers"] + 1)
+        with glake_torch.movable_allocations(min_bytes=4 * MiB):
+            reused = lib.glake_malloc(5 * MiB, 0, None)  # rounds to the same 6 MiB
+        self.assertEqual(reused, again)
+        self.assertEqual(glake_torch.movable_stats()["cache_reuses"], self.before["cache_reuses"] + 1)
+        lib.glake_free(reused, 5 * MiB, 0, None)
+        lib.glake_empty_cache(0)
+        stats = glake_torch.movable_stats()
+        self.assertEqual(stats["buffers"], self.before["buffers"])
+        self.assertEqual(stats["cached_buffer_bytes"], 0)
+        for p, n in ((small, MiB), (ordinary, 6 * MiB), (outside, 6 * MiB)):
+            lib.glake_free(p, n, 0, None)
+        with self.assertRaises(ValueError):
+            glake_torch.movable_allocations(0)
+
     def test_misuse_and_exhaustion_are_clear_errors(self):
         with self.assertRaises(ValueError) as caught:
             glake_torch.offload(0x1234000)
