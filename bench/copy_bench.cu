@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -57,6 +58,7 @@ struct summary {
   double median, p10, p90;
 };
 summary summarize(std::vector<double> v) {
+  if (v.empty()) return {std::nan(""), std::nan(""), std::nan("")};  // a method that could not run
   std::sort(v.begin(), v.end());
   auto at = [&](double q) { return v[static_cast<std::size_t>(q * static_cast<double>(v.size() - 1) + 0.5)]; };
   return {at(0.5), at(0.1), at(0.9)};
@@ -78,12 +80,15 @@ struct method {
 };
 
 // Times every method `repeats` times, interleaved, the order reversed every other round.
+// A method without `run` is skipped (its rates stay empty).
 void measure(std::vector<method>& methods, std::size_t bytes, int repeats, cudaStream_t stream) {
-  for (method& m : methods) (void)time_once(m.run, stream);  // warm-up: first-use costs out
+  for (method& m : methods) {
+    if (m.run) (void)time_once(m.run, stream);  // warm-up: first-use costs out
+  }
   for (int round = 0; round < repeats; ++round) {
     for (std::size_t k = 0; k < methods.size(); ++k) {
       method& m = methods[round % 2 == 0 ? k : methods.size() - 1 - k];
-      m.rates.push_back(gbps(bytes, time_once(m.run, stream)));
+      if (m.run) m.rates.push_back(gbps(bytes, time_once(m.run, stream)));
     }
   }
 }
@@ -102,12 +107,20 @@ std::string driver_version() {
   return "CUDA driver API " + std::to_string(v);
 }
 
+std::string number(double x) {  // JSON has no NaN: a method that did not run is null
+  if (std::isnan(x)) return "null";
+  char b[32];
+  std::snprintf(b, sizeof b, "%.2f", x);
+  return b;
+}
+
 void json(const char* test, std::size_t bytes, const char* direction, const std::string& name, const summary& s,
           std::size_t repeats, const std::string& extra = "") {
   std::printf(
-      "{\"bench\":\"copy\",\"test\":\"%s\",\"bytes\":%zu,\"direction\":\"%s\",\"method\":\"%s\",\"median_gbps\":%.2f,"
-      "\"p10_gbps\":%.2f,\"p90_gbps\":%.2f,\"repeats\":%zu%s}\n",
-      test, bytes, direction, name.c_str(), s.median, s.p10, s.p90, repeats, extra.c_str());
+      "{\"bench\":\"copy\",\"test\":\"%s\",\"bytes\":%zu,\"direction\":\"%s\",\"method\":\"%s\",\"median_gbps\":%s,"
+      "\"p10_gbps\":%s,\"p90_gbps\":%s,\"repeats\":%zu%s}\n",
+      test, bytes, direction, name.c_str(), number(s.median).c_str(), number(s.p10).c_str(), number(s.p90).c_str(),
+      repeats, extra.c_str());
   std::fflush(stdout);
 }
 
@@ -178,6 +191,16 @@ int main(int argc, char** argv) {
   check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   const stream_ref sref{stream};
   copier_type copier{cuda_copy_backend(0)};
+  // Registering needs the locked-memory limit (ulimit -l) to allow it; without it, that method is
+  // left out ("nan").
+  bool can_register = false;
+  {
+    std::vector<unsigned char> probe(64 * MiB);
+    can_register = cudaHostRegister(probe.data(), probe.size(), cudaHostRegisterDefault) == cudaSuccess;
+    if (can_register) check(cudaHostUnregister(probe.data()), "cudaHostUnregister");
+    (void)cudaGetLastError();
+    if (!can_register) std::printf("# cudaHostRegister is refused here (ulimit -l?): its method is left out\n");
+  }
 
   // --- sizes -----------------------------------------------------------------------------------
   const char* names[] = {"pageable cudaMemcpyAsync", "pinned cudaMemcpyAsync", "register + cudaMemcpyAsync",
@@ -212,12 +235,13 @@ int main(int argc, char** argv) {
         {names[0], [&] { check(cudaMemcpyAsync(dev, pageable, n, cudaMemcpyHostToDevice, stream), "h2d"); }, {}},
         {names[1], [&] { check(cudaMemcpyAsync(dev, pinned, n, cudaMemcpyHostToDevice, stream), "h2d"); }, {}},
         {names[2],
-         [&] {
+         can_register ? std::function<void()>([&] {
            check(cudaHostRegister(pageable, n, cudaHostRegisterDefault), "cudaHostRegister");
            check(cudaMemcpyAsync(dev, pageable, n, cudaMemcpyHostToDevice, stream), "h2d");
            check(cudaStreamSynchronize(stream), "sync");
            check(cudaHostUnregister(pageable), "cudaHostUnregister");
-         },
+         })
+                      : std::function<void()>(),
          {}},
         {names[3], [&] { copier.copy(dev, pageable, n, sref); }, {}},
     };
@@ -226,12 +250,13 @@ int main(int argc, char** argv) {
         {names[0], [&] { check(cudaMemcpyAsync(back, dev, n, cudaMemcpyDeviceToHost, stream), "d2h"); }, {}},
         {names[1], [&] { check(cudaMemcpyAsync(pinned, dev, n, cudaMemcpyDeviceToHost, stream), "d2h"); }, {}},
         {names[2],
-         [&] {
+         can_register ? std::function<void()>([&] {
            check(cudaHostRegister(back, n, cudaHostRegisterDefault), "cudaHostRegister");
            check(cudaMemcpyAsync(back, dev, n, cudaMemcpyDeviceToHost, stream), "d2h");
            check(cudaStreamSynchronize(stream), "sync");
            check(cudaHostUnregister(back), "cudaHostUnregister");
-         },
+         })
+                      : std::function<void()>(),
          {}},
         {names[3], [&] { copier.copy(back, dev, n, sref); }, {}},
     };
