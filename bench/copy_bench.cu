@@ -295,8 +295,8 @@ int main(int argc, char** argv) {
       measure(m, sweep_bytes, reps, stream);
       h = summarize(m[0].rates);
       d = summarize(m[1].rates);
-      const std::string extra = ",\"chunk_bytes\":" + std::to_string(o.chunk_bytes) +
-                                ",\"buffers\":" + std::to_string(o.chunks) + ",\"threads\":" + std::to_string(o.threads);
+      const std::string extra = ",\"chunk_bytes\":" + std::to_string(o.chunk_bytes) + ",\"buffers\":" +
+                                std::to_string(o.chunks) + ",\"threads\":" + std::to_string(o.threads);
       json("sweep", sweep_bytes, "h2d", "glake staged_copier", h, m[0].rates.size(), extra);
       json("sweep", sweep_bytes, "d2h", "glake staged_copier", d, m[1].rates.size(), extra);
     };

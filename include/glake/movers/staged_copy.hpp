@@ -98,9 +98,12 @@ struct staged_copy_statistics {
 // kept until release_staging or destruction.
 // Thread safety: copy and copy_from_file may be called from several threads at once; staged
 // copies take turns (one staged copy already uses every thread and the bus), direct ones do not
-// wait. Streams: only the given stream is used; nothing waits for the device or other streams
-// (a staging buffer last used on another stream is waited for on the host, through its event).
-// The Backend's device must be current where copies are issued (for CUDA, the caller's context).
+// wait; the Backend's and the Classifier's calls may therefore come from several threads at once
+// (both CUDA models and both host models allow it).
+// Streams: only the given stream is used; nothing waits for the device or other streams (a
+// staging buffer last used on another stream is waited for on the host, through its event).
+// The Backend's device must be current where copies are issued (for CUDA, the caller's context;
+// cuda_copy_backend makes the primary context current where a thread has none).
 // ---------------------------------------------------------------------------------------------
 template <copy_backend Backend, pointer_classifier Classifier>
 class staged_copier {
