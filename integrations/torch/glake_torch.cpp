@@ -740,3 +740,43 @@ GLAKE_TORCH_API void glake_release_pool(int device, std::pair<unsigned long long
 }
 
 }  // extern "C"
+
+// Copies between device memory and pageable host memory through a staged_copier per device
+// (movers/staged_copy.hpp: pinned staging buffers filled and drained by several threads).
+// CUDA only: the simulated backend has no device bytes to copy, so libglake_torch_sim.so has no
+// glake_copy.
+#if !GLAKE_TORCH_SIMULATED
+#include "glake/backends/cuda_copy.hpp"
+#include "glake/movers/staged_copy.hpp"
+
+namespace {
+
+using torch_copier = staged_copier<cuda_copy_backend, cuda_pointer_classifier>;
+
+// One copier per device, made on its first copy and kept for the life of the process (with its
+// threads and pinned buffers), as the allocators are.
+torch_copier& copier_for(int device) {
+  static std::mutex mutex;
+  static std::array<torch_copier*, 64> copiers{};
+  std::lock_guard guard(mutex);
+  torch_copier*& c = copiers.at(static_cast<std::size_t>(device));
+  if (c == nullptr) c = new torch_copier(cuda_copy_backend(device));
+  return *c;
+}
+
+}  // namespace
+
+extern "C" GLAKE_TORCH_API int glake_copy(void* dst, const void* src, size_t bytes, CUstream_st* stream) {
+  return movable_call("copying to", dst, [&] {
+    if (bytes == 0) return;
+    // The device of whichever side is device memory (a host-to-host copy: device 0's copier).
+    const cuda_pointer_classifier classify;
+    const pointer_info to = classify.locate(dst);
+    const pointer_info from = classify.locate(src);
+    int device = to.kind == memory_kind::device ? to.device : from.kind == memory_kind::device ? from.device : 0;
+    if (device < 0) device = 0;
+    device_scope scope(device);
+    copier_for(device).copy(dst, src, bytes, stream_ref{stream});
+  });
+}
+#endif

@@ -161,4 +161,18 @@ GLAKE_TORCH_API void glake_release_pool(int device, std::pair<unsigned long long
 }
 #endif
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+/* Copies `bytes` from `src` to `dst` between device memory and host memory, ordered on `stream`:
+ * pageable host memory through glake's staged copier (pinned buffers filled or drained by several
+ * threads), pinned and device memory with one cuMemcpyAsync. To the device it returns once `src`
+ * was read (it may be reused); to pageable host memory once `dst` holds the data. 0; -1 misuse
+ * (null, overlap, another device's memory...), -2 out of pinned memory, -3 a driver error; the
+ * reason in glake_last_error. Only in libglake_torch.so (CUDA), not in the simulated library. */
+GLAKE_TORCH_API int glake_copy(void* dst, const void* src, size_t bytes, struct CUstream_st* stream);
+#ifdef __cplusplus
+}
+#endif
+
 #endif /* GLAKE_TORCH_H */

@@ -189,6 +189,97 @@ concept byte_copier = requires(C& c, void* to, const void* from, std::size_t byt
 template <class C, class R>
 concept copier_fits_reserver = byte_copier<C> && (C::synchronous || stream_ordered_reserver<R>);
 
+// ---------------------------------------------------------------------------------------------
+// copy_backend
+//
+// What a copy engine needs from a device to move bytes between host and device memory through
+// pinned staging buffers: page-locked host memory, copies queued on a stream, and events that
+// say when the copies queued so far have completed. Streams order everything: a copy runs after
+// the work queued before it on its stream. A copy between staging memory and device memory
+// reads and writes only when the stream reaches it, so the staging buffer must stay untouched
+// until an event recorded after the copy has completed.
+//
+// | expression                  | returns      | throws        | meaning
+// |-----------------------------|--------------|---------------|-----------------------------------
+// | cb.device()                 | int          | no            | the device whose memory it copies
+// | b.try_allocate_staging(n)   | void*        | driver_error  | n bytes of pinned host memory, the
+// |                             |              |               | source or target of fast copies;
+// |                             |              |               | null when out of memory
+// | b.free_staging(p, n)        | void         | no            | p, n from try_allocate_staging
+// | b.enqueue_copy(d, s, n, st) | void         | driver_error  | queues n bytes from s to d on
+// |                             |              |               | stream st, after its earlier work
+// | B::event_type               |              |               | copyable, names one recorded event
+// | b.record_event(st)          | event_type   | driver_error  | marks everything queued on st so far
+// | b.event_done(e)             | bool         | driver_error  | that work has completed
+// | b.wait_event(e)             | void         | no            | returns when that work has completed
+// | b.recycle_event(e)          | void         | no            | e goes back to a pool
+// | b.wait_stream(st)           | void         | no            | returns when all work queued on st
+// |                             |              |               | has completed (the fallback when an
+// |                             |              |               | event cannot be recorded)
+//
+// Smallest model: host_dma_backend in backends/host_dma.hpp (streams are host threads). CUDA
+// model: cuda_copy_backend in backends/cuda_copy.hpp.
+// ---------------------------------------------------------------------------------------------
+template <class B>
+concept copy_backend =
+    std::copyable<typename B::event_type> &&
+    requires(B& b, const B& cb, void* to, const void* from, std::size_t bytes, stream_ref stream,
+             typename B::event_type event) {
+      { cb.device() } noexcept -> std::same_as<int>;
+      { b.try_allocate_staging(bytes) } -> std::same_as<void*>;
+      { b.free_staging(to, bytes) } noexcept -> std::same_as<void>;
+      { b.enqueue_copy(to, from, bytes, stream) } -> std::same_as<void>;
+      { b.record_event(stream) } -> std::same_as<typename B::event_type>;
+      { b.event_done(event) } -> std::same_as<bool>;
+      { b.wait_event(event) } noexcept -> std::same_as<void>;
+      { b.recycle_event(event) } noexcept -> std::same_as<void>;
+      { b.wait_stream(stream) } noexcept -> std::same_as<void>;
+    };
+
+/// What a pointer points at, as a copy engine needs to know it.
+enum class memory_kind : unsigned char {
+  pageable,  ///< ordinary host memory: the device cannot read it directly
+  pinned,    ///< page-locked host memory (allocated pinned or registered): copies go straight
+  device,    ///< one device's memory
+  managed,   ///< memory the driver migrates between host and devices on demand
+};
+
+constexpr const char* to_string(memory_kind k) noexcept {
+  switch (k) {
+    case memory_kind::pageable: return "pageable host memory";
+    case memory_kind::pinned: return "pinned host memory";
+    case memory_kind::device: return "device memory";
+    case memory_kind::managed: return "managed memory";
+  }
+  return "?";
+}
+
+/// A pointer's kind and, for device memory, its device (-1 otherwise).
+struct pointer_info {
+  memory_kind kind = memory_kind::pageable;
+  int device = -1;
+  friend constexpr bool operator==(pointer_info, pointer_info) noexcept = default;
+};
+
+// ---------------------------------------------------------------------------------------------
+// pointer_classifier
+//
+// Tells which kind of memory an address lies in, so a copy engine sends pinned memory straight
+// to the device and stages pageable memory. An address no allocation of the driver's knows is
+// pageable host memory.
+//
+// | expression     | returns      | throws       | meaning
+// |----------------|--------------|--------------|--------------------------------------------
+// | c.locate(p)    | pointer_info | driver_error | the kind of memory byte p lies in
+//
+// Smallest model: range_classifier in backends/host_dma.hpp (ranges a test names). CUDA model:
+// cuda_pointer_classifier in backends/cuda_copy.hpp (cuPointerGetAttributes).
+// ---------------------------------------------------------------------------------------------
+template <class C>
+concept pointer_classifier = requires(C& c, const void* p) {
+  { c.locate(p) } -> std::same_as<pointer_info>;
+};
+
 /// A reserver that maps the handles a given provider creates.
 template <class R, class P>
 concept address_reserver_for = physical_provider<P> && address_reserver<R> &&

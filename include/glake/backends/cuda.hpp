@@ -45,6 +45,43 @@ inline void cuda_check(CUresult result, const char* call) {
 }
 // Out of memory is an answer, not an error: the allocator falls back and retries.
 inline bool cuda_out_of_memory(CUresult result) noexcept { return result == CUDA_ERROR_OUT_OF_MEMORY; }
+
+/// Events with timing disabled, created once and reused: take one, give it back when its
+/// work is known to be done. Thread safety: take and give may be called concurrently.
+class cuda_event_pool {
+ public:
+  cuda_event_pool() = default;
+  cuda_event_pool(const cuda_event_pool&) = delete;
+  cuda_event_pool& operator=(const cuda_event_pool&) = delete;
+  ~cuda_event_pool() {
+    for (CUevent e : free_) (void)cuEventDestroy(e);
+  }
+  CUevent take() {
+    {
+      std::lock_guard guard(mutex_);
+      if (!free_.empty()) {
+        CUevent e = free_.back();
+        free_.pop_back();
+        return e;
+      }
+    }
+    CUevent e = nullptr;
+    cuda_check(cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    return e;
+  }
+  void give(CUevent e) noexcept {
+    std::lock_guard guard(mutex_);
+    try {
+      free_.push_back(e);
+    } catch (...) {
+      (void)cuEventDestroy(e);
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<CUevent> free_;
+};
 }  // namespace detail
 
 /// Physical device memory: pinned allocations on one device, optionally exportable as POSIX file
@@ -295,46 +332,11 @@ class cuda_reserver {
     return desc;
   }
 
-  // Events are created once and reused; copies of a reserver share the pool.
-  class event_pool {
-   public:
-    event_pool() = default;
-    event_pool(const event_pool&) = delete;
-    event_pool& operator=(const event_pool&) = delete;
-    ~event_pool() {
-      for (CUevent e : free_) (void)cuEventDestroy(e);
-    }
-    CUevent take() {
-      {
-        std::lock_guard guard(mutex_);
-        if (!free_.empty()) {
-          CUevent e = free_.back();
-          free_.pop_back();
-          return e;
-        }
-      }
-      CUevent e = nullptr;
-      detail::cuda_check(cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-      return e;
-    }
-    void give(CUevent e) noexcept {
-      std::lock_guard guard(mutex_);
-      try {
-        free_.push_back(e);
-      } catch (...) {
-        (void)cuEventDestroy(e);
-      }
-    }
-
-   private:
-    std::mutex mutex_;
-    std::vector<CUevent> free_;
-  };
-
   int device_;
   std::size_t granularity_ = 0;
   std::vector<CUmemAccessDesc> access_;
-  std::shared_ptr<event_pool> events_ = std::make_shared<event_pool>();
+  // Events are created once and reused; copies of a reserver share the pool.
+  std::shared_ptr<detail::cuda_event_pool> events_ = std::make_shared<detail::cuda_event_pool>();
 };
 static_assert(address_reserver_for<cuda_reserver, cuda_provider>);
 static_assert(address_reserver_for<cuda_reserver, cuda_host_provider>);

@@ -85,4 +85,25 @@ struct evented_reserver_archetype : reserver_archetype {
   void synchronize_device() noexcept;
 };
 
+/// A copy_backend and nothing more.
+struct copy_backend_archetype {
+  struct event_type {};
+  int device() const noexcept;
+  void* try_allocate_staging(std::size_t bytes);
+  void free_staging(void* p, std::size_t bytes) noexcept;
+  void enqueue_copy(void* to, const void* from, std::size_t bytes, stream_ref stream);
+  event_type record_event(stream_ref stream);
+  bool event_done(event_type event);
+  void wait_event(event_type event) noexcept;
+  void recycle_event(event_type event) noexcept;
+  void wait_stream(stream_ref stream) noexcept;
+};
+static_assert(copy_backend<copy_backend_archetype>);
+
+/// A pointer_classifier and nothing more.
+struct pointer_classifier_archetype {
+  pointer_info locate(const void* p);
+};
+static_assert(pointer_classifier<pointer_classifier_archetype>);
+
 }  // namespace glake::detail

@@ -691,3 +691,36 @@ class movable_allocations:
     def __exit__(self, *exc):
         load().glake_set_movable_scope(self._previous)
         return False
+
+
+# ------------------------------------------------------------------ copies from pageable memory
+
+
+def copy_(dst, src, stream=None):
+    """Copies the contiguous tensor `src` into the contiguous tensor `dst` (same dtype and number
+    of elements), one on the GPU and one on the CPU, through glake's staged copier: a CPU tensor
+    in pageable memory (a numpy array's, a loaded checkpoint's) goes through pinned buffers that
+    several threads fill or drain while the GPU copies the previous one; a pinned one goes straight
+    to one cudaMemcpyAsync. Ordered on `stream` (default: the CUDA tensor's current stream). To
+    the GPU it returns once `src` has been read (src may be reused at once); to the CPU once `dst`
+    holds the data. Returns dst. ValueError for tensors it cannot copy; RuntimeError when the
+    loaded library has no glake_copy (the simulated one)."""
+    lib = load()
+    fn = getattr(lib, "glake_copy", None)
+    if fn is None:
+        raise RuntimeError("glake_torch: copy_ needs libglake_torch.so built with CUDA "
+                           "(the simulated library has no glake_copy)")
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    if dst.dtype != src.dtype or dst.numel() != src.numel():
+        raise ValueError(f"glake_torch: copy_ from {src.dtype} x {src.numel()} to {dst.dtype} x {dst.numel()}: "
+                         "dtype and number of elements must match")
+    if not dst.is_contiguous() or not src.is_contiguous():
+        raise ValueError("glake_torch: copy_ needs contiguous tensors")
+    if dst.is_cuda == src.is_cuda:
+        raise ValueError("glake_torch: copy_ copies between a CUDA tensor and a CPU tensor")
+    device = (dst if dst.is_cuda else src).device.index
+    nbytes = dst.numel() * dst.element_size()
+    code = fn(dst.data_ptr(), src.data_ptr(), nbytes, _stream_handle(stream, device))
+    _raise_for(code, lib, "copy_")
+    return dst

@@ -215,3 +215,24 @@ TEST_CASE("gpu: torch plug-in: a block of device 0 freed while device 1 is curre
   CHECK(current == 1);  // the caller's device is left as it was
   REQUIRE(cudaSetDevice(0) == cudaSuccess);
 }
+
+TEST_CASE("gpu: torch plug-in: glake_copy moves pageable memory to the device and back") {
+  cudaStream_t stream = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
+  const std::size_t n = 64 * MiB + 3;
+  void* dev = nullptr;
+  REQUIRE(cudaMalloc(&dev, n) == cudaSuccess);
+  std::vector<unsigned char> host(n), back(n);
+  for (std::size_t i = 0; i < n; ++i) host[i] = static_cast<unsigned char>(i * 7 + i / 4096);
+  CHECK(glake_copy(dev, host.data(), n, as_plugin(stream)) == 0);
+  CHECK(glake_copy(back.data(), dev, n, as_plugin(stream)) == 0);  // the data is there on return
+  CHECK(back == host);
+  // Misuse: -1 and a reason, nothing copied.
+  CHECK(glake_copy(nullptr, host.data(), n, as_plugin(stream)) == -1);
+  char reason[256] = {};
+  glake_last_error(reason, sizeof reason);
+  CHECK(std::string(reason).find("null pointer") != std::string::npos);
+  CHECK(glake_copy(dev, dev, 0, as_plugin(stream)) == 0);  // zero bytes: nothing
+  REQUIRE(cudaFree(dev) == cudaSuccess);
+  REQUIRE(cudaStreamDestroy(stream) == cudaSuccess);
+}
