@@ -71,6 +71,7 @@ __all__ = [
     "residence",
     "movable_stats",
     "movable_allocations",
+    "copy_",
 ]
 
 # PyTorch's _record_memory_history keeps every entry by default (max_entries=sys.maxsize); glake's
