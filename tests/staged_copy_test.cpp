@@ -121,7 +121,12 @@ TEST_CASE("staged_copier copies pageable memory to the device and back, for ever
     CHECK(s.staged_copies == 2 * 2 * std::size(sizes));
     CHECK(s.direct_copies == 0);
     CHECK(s.staging_bytes <= o.chunks * chunk);
+    CHECK(s.staging_bytes == r.backend.live_staging() * chunk);
     CHECK(r.backend.live_staging() <= o.chunks);
+    // release_staging gives every pinned buffer back, and the statistics say so.
+    r.copier.release_staging();
+    CHECK(r.copier.stats().staging_bytes == 0);
+    CHECK(r.backend.live_staging() == 0);
   }
 }
 

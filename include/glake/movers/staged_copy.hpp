@@ -195,6 +195,7 @@ class staged_copier {
   void release_staging() {
     std::lock_guard lock(mutex_);
     ring_.trim();
+    note_staging();
   }
 
   staged_copy_statistics stats() const {
