@@ -34,6 +34,7 @@
 #include <ctime>
 #include <fstream>
 #include <functional>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -97,10 +98,11 @@ std::string driver_version() {
   std::ifstream in("/proc/driver/nvidia/version");
   std::string line;
   std::getline(in, line);
-  const auto at = line.find("Kernel Module");
-  if (at != std::string::npos) {
-    std::string rest = line.substr(at + 14);
-    return rest.substr(0, rest.find(' '));
+  // "NVRM version: NVIDIA UNIX x86_64 Kernel Module for x86_64  580.159.04  ...": the first word
+  // that starts with a digit and holds a dot.
+  std::istringstream words(line);
+  for (std::string w; words >> w;) {
+    if (!w.empty() && w[0] >= '0' && w[0] <= '9' && w.find('.') != std::string::npos) return w;
   }
   int v = 0;
   cudaDriverGetVersion(&v);
