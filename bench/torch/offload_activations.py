@@ -13,7 +13,7 @@ pass, on one GPU, three ways:
 Blocks are Linear(hidden, hidden) + GELU in fp32 under bf16 autocast (each saves two bf16 tensors
 of tokens x hidden), --layers of them, one batch of --tokens rows. glake (integrations/torch) is
 PyTorch's allocator in every variant. Pacing (glake): block i is launched only once the offload
-of block i-3's tensors has completed, so the memory it allocates takes their place (launches
+of block i-d's tensors has completed (d: --pace-depth, 3), so the memory it allocates takes their place (launches
 otherwise run ahead of the GPU and allocate everything first).
 
 Per step: wall time between the ends of two steps; device memory in use (cudaMemGetInfo: total -
@@ -112,17 +112,19 @@ def child(args):
             if args.variant == "glake":
                 with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                     for b, block in enumerate(model):
-                        if b >= 3 and b - 3 < args.offload_layers and offloads[b - 3] is not None:
-                            offloads[b - 3].join()  # pacing: block b-3's tensors have left
+                        d = args.pace_depth
+                        if b >= d and b - d < args.offload_layers and offloads[b - d] is not None:
+                            offloads[b - d].join()  # pacing: block b-d's tensors have left
                         current["block"] = b
                         scope = glake_torch.movable_allocations(threshold) if b < args.offload_layers else contextlib.nullcontext()
                         with scope:
                             h = block(h)
-                        if 0 <= b - 4 < args.offload_layers:
+                        a = args.prefetch_ahead
+                        if 0 <= b - a < args.offload_layers:
                             # The gradient of block b's output is computed by block b+1's
-                            # backward: then block b-4's tensors start coming back, some four
+                            # backward: then block b-a's tensors start coming back, some `a`
                             # blocks of backward before they are used.
-                            h.register_hook(lambda g, b=b - 4: (prefetch_block(b), None)[1])
+                            h.register_hook(lambda g, b=b - a: (prefetch_block(b), None)[1])
                         if b >= 1 and b - 1 < args.offload_layers:
                             offload_block(b - 1)
                         current["block"] = -1
@@ -202,16 +204,21 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--pace-depth", type=int, default=3, help="glake: block i waits for block i-d's offload")
+    ap.add_argument("--prefetch-ahead", type=int, default=4, help="glake: blocks of backward before a block's prefetch")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="which variants to run, comma-separated")
     args = ap.parse_args()
     if args.variant:
         child(args)
         return
     runs = []
     for r in range(args.rounds):
-        for v in (VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))):
+        chosen = tuple(v for v in VARIANTS if v in args.variants.split(","))
+        for v in (chosen if r % 2 == 0 else tuple(reversed(chosen))):
             cmd = [sys.executable, os.path.abspath(__file__), "--variant", v, "--layers", str(args.layers),
                    "--offload-layers", str(args.offload_layers), "--hidden", str(args.hidden), "--tokens",
-                   str(args.tokens), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                   str(args.tokens), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--pace-depth", str(args.pace_depth), "--prefetch-ahead", str(args.prefetch_ahead)]
             if args.library:
                 cmd += ["--library", args.library]
             done = subprocess.run(cmd, capture_output=True, text=True)
