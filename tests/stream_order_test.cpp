@@ -517,3 +517,39 @@ TEST_CASE("stream order: statistics count event records and queries, event_inter
     allocator.verify();
   }
 }
+
+TEST_CASE("stream order: release_completed gives back only segments whose frees completed, never waiting") {
+  sim_device device(1 * GiB);
+  event_log log;
+  config cfg;
+  cfg.event_interval_us = 0;  // an event for every call's frees
+  evented_stitching allocator(sim_provider{device}, evented_reserver{device, log}, cfg);
+  // With one stream nothing needs events after frees: the first call turns them on.
+  CHECK(allocator.release_completed(0) == 0);
+  void* a = allocator.allocate(64 * M, A);
+  void* b = allocator.allocate(64 * M, A);
+  void* c = allocator.allocate(64 * M, A);
+  allocator.deallocate(a, 64 * M, A);
+  allocator.deallocate(b, 64 * M, A);
+  allocator.deallocate(c, 64 * M, A);
+  const std::size_t held = allocator.stats().reserved_bytes;
+  REQUIRE(held >= 3 * 64 * M);
+
+  // Their work may still run: nothing goes back, and nothing waited.
+  CHECK(allocator.release_completed(~std::size_t{0}) == 0);
+  CHECK(allocator.stats().reserved_bytes == held);
+  CHECK(log.waited == 0);
+  CHECK(log.device_synchronized == 0);
+
+  // The events after the frees completed: everything goes back, still without a wait.
+  log.complete(A);
+  CHECK(allocator.release_completed(64 * M) >= 64 * M);  // stops once enough went back
+  CHECK(allocator.stats().reserved_bytes > 0);
+  allocator.release_completed(~std::size_t{0});
+  CHECK(allocator.stats().reserved_bytes == 0);
+  CHECK(device.physical_bytes() == 0);
+  CHECK(log.waited == 0);
+  CHECK(log.device_synchronized == 0);
+  allocator.verify();
+  CHECK(device.violations() == 0);
+}

@@ -651,8 +651,9 @@ GLAKE_TORCH_API int glake_prefetch_many(void* const* ptrs, size_t count, CUstrea
   return movable_call("prefetching movable buffers", count != 0 ? ptrs[0] : nullptr, [&] {
     // The memory comes back in place of what glake's allocator caches on the device (memory
     // that the offloads freed and the allocator grew into meanwhile), not on top of it: what the
-    // buffers need is released from the cache once for all of them (releasing waits for the
-    // work queued on the device, so once is cheaper); if that is not enough, the whole cache.
+    // buffers need is released from the cache, without waiting for the device (only memory
+    // whose frees have completed); when the device is then short of memory, the whole cache
+    // (which waits).
     std::array<std::size_t, 64> needed{};
     for (std::size_t i = 0; i < count; ++i) {
       movables().with(ptrs[i], [&](movable_buffer& b, int device) {
@@ -660,7 +661,7 @@ GLAKE_TORCH_API int glake_prefetch_many(void* const* ptrs, size_t count, CUstrea
       });
     }
     for (std::size_t d = 0; d < needed.size(); ++d) {
-      if (needed[d] != 0) plugin().release_cached(static_cast<int>(d), needed[d]);
+      if (needed[d] != 0) plugin().release_completed(static_cast<int>(d), needed[d]);
     }
     for (std::size_t i = 0; i < count; ++i) {
       movables().with(ptrs[i], [&](movable_buffer& b, int device) {

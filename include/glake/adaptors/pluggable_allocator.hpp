@@ -532,6 +532,24 @@ class pluggable_allocator {
     }
   }
 
+  /// As release_cached(device, bytes) without waiting for the device (the allocator's
+  /// release_completed): what queued work may still use stays.
+  std::size_t release_completed(int device, std::size_t bytes) noexcept
+    requires completion_releasing_allocator<Allocator>
+  {
+    try {
+      DeviceScope scope(device);
+      slot* s = registry_.find(device);
+      if (s == nullptr) return 0;
+      const std::size_t released = s->allocator->release_completed(bytes);
+      if (s->trace) s->trace->reserved(s->allocator->reserved_bytes());
+      return released;
+    } catch (const std::exception& e) {
+      error("glake: releasing %zu completed cached bytes on device %d failed: %s", bytes, device, e.what());
+      return 0;
+    }
+  }
+
   /// Holds `device`'s physical memory to `bytes` from now on (0: no limit; the allocator's
   /// set_memory_limit), making its allocator if it has none yet, so a limit set before the first
   /// allocation holds from the start. False, logged, when the device id is out of range or the

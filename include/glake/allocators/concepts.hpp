@@ -131,6 +131,18 @@ concept partly_cache_releasing_allocator = cache_releasing_allocator<A> && requi
   { a.release_cached(bytes) } -> std::same_as<std::size_t>;
 };
 
+// completion_releasing_allocator (refines partly_cache_releasing_allocator)
+//
+// | expression             | returns     | throws        | meaning
+// |------------------------|-------------|---------------|---------------------------------------
+// | a.release_completed(n) | std::size_t | driver errors | as release_cached(n), but never waits for
+// |                        |             |               | the device: only memory whose last use is
+// |                        |             |               | known complete goes back
+template <class A>
+concept completion_releasing_allocator = partly_cache_releasing_allocator<A> && requires(A& a, std::size_t bytes) {
+  { a.release_completed(bytes) } -> std::same_as<std::size_t>;
+};
+
 // peak_resetting_allocator
 //
 // | expression      | returns    | throws | meaning

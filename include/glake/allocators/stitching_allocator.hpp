@@ -206,6 +206,17 @@ class stitching_allocator {
     return released;
   }
 
+  /// As release_cached(bytes), but never waits for the device: only fully free segments whose
+  /// last free's work is known complete (the streams' events, polled) go back; the others stay.
+  /// For a caller on a hot path that can take fresh memory instead (a prefetch during backward).
+  /// With one stream, frees are not followed by events (nothing else needs them); the first call
+  /// turns that on, so from then on frees become releasable once their work completed.
+  std::size_t release_completed(std::size_t bytes) {
+    std::lock_guard guard(lock_);
+    track_completion_ = true;
+    return release_free_segments(bytes, false);
+  }
+
   /// Physical memory is held up to `bytes` from now on (0: no limit; PyTorch's
   /// set_per_process_memory_fraction). When more is held than the new limit, cached memory is
   /// released at once; live allocations stay valid, and growth is refused until enough of them
@@ -413,7 +424,7 @@ class stitching_allocator {
     }
     clocks_.enter(stream);
     if constexpr (has_events) {
-      if (clocks_.size() > 1) clocks_.tick(stream);
+      if (clocks_.size() > 1 || track_completion_) clocks_.tick(stream);
     }
     if (bytes <= config_.small_limit) {
       void* p = small_.allocate_unlocked(bytes, stream);
@@ -599,7 +610,7 @@ class stitching_allocator {
     }
     free_now(p, bytes, stream);
     if constexpr (has_events) {
-      if (clocks_.size() > 1) clocks_.tick(stream);
+      if (clocks_.size() > 1 || track_completion_) clocks_.tick(stream);
     }
   }
 
@@ -667,27 +678,39 @@ class stitching_allocator {
   // A segment still mapped by a live stitched range stays; cached ranges mapping it are dropped.
   // Memory that queued work may still read is never released: with events, the device is
   // synchronized once per call first (the memory-pressure path, as in PyTorch).
-  std::size_t release_free_segments(std::size_t bytes) noexcept {
+  // With `wait` false nothing waits for the device: segments whose free may still be used by
+  // queued work are skipped (kept) instead, and free blocks of different streams are not merged.
+  std::size_t release_free_segments(std::size_t bytes, bool wait = true) noexcept {
     std::size_t released = 0;
     if (retain_) return released;
     [[maybe_unused]] bool synchronized =
-        adoption_.mixed() &&
+        wait && adoption_.mixed() &&
         adoption_.merge_across_streams(pool_.arena(), clocks_, [this](block_type* b) { pool_.enter_free_queue(b); });
+    if (!wait) clocks_.poll_all();
     pinned_.clear();
     while (released < bytes) {
       segment* victim = pool_.free_victim();
       if (victim == nullptr) break;
-      if constexpr (stitches) {
-        if (victim->stitch_refs > 0) stitcher_.drop_over(victim);
+      // Not waiting: a segment whose last free's work may still run, or that a cached stitched
+      // range maps (dropping it might wait), stays.
+      bool keep = !wait && victim->stitch_refs > 0;
+      if constexpr (has_events) {
+        if (!wait && !keep) {
+          const block_type* whole = pool_.arena().find(victim->mapping.base);
+          keep = !clocks_.completed(whole->stream, whole->free_mark);
+        }
       }
-      if (victim->stitch_refs > 0) {
+      if constexpr (stitches) {
+        if (!keep && victim->stitch_refs > 0) stitcher_.drop_over(victim);
+      }
+      if (keep || victim->stitch_refs > 0) {
         pool_.unqueue(victim);
         if (pinned_.size() == pinned_.capacity()) break;  // no room to remember it: stop here
         pinned_.push_back(victim);
         continue;
       }
       if constexpr (has_events) {
-        if (!synchronized) clocks_.synchronize_all();
+        if (wait && !synchronized) clocks_.synchronize_all();
         synchronized = true;
       }
       released += victim->mapping.size;
@@ -745,6 +768,7 @@ class stitching_allocator {
   adoption_type adoption_;
   small_pool small_;
   std::vector<segment*> pinned_;  // scratch: segments a live stitch keeps from release (bounded)
+  bool track_completion_ = false;  // events follow frees even with one stream (release_completed)
   live_report live_report_ = detail::default_live_report;
   memory_observer observer_ = nullptr;
   void* observer_context_ = nullptr;
@@ -762,6 +786,7 @@ static_assert(memory_limiting_allocator<stitching_allocator<detail::provider_arc
 static_assert(owning_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
 static_assert(cache_releasing_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
 static_assert(partly_cache_releasing_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
+static_assert(completion_releasing_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
 static_assert(peak_resetting_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
 static_assert(stream_recording_allocator<
               stitching_allocator<detail::provider_archetype, detail::evented_reserver_archetype, no_stitching>>);

@@ -176,6 +176,13 @@ class stream_clocks {
     }
   }
 
+  /// Polls every stream's events (never waits).
+  void poll_all() noexcept {
+    if constexpr (has_events) {
+      for (clock& c : clocks_) poll(c);
+    }
+  }
+
   /// The device is synchronized: every free so far has completed.
   void synchronize_all() noexcept {
     if constexpr (has_events) {
