@@ -651,9 +651,10 @@ GLAKE_TORCH_API int glake_prefetch_many(void* const* ptrs, size_t count, CUstrea
   return movable_call("prefetching movable buffers", count != 0 ? ptrs[0] : nullptr, [&] {
     // The memory comes back in place of what glake's allocator caches on the device (memory
     // that the offloads freed and the allocator grew into meanwhile), not on top of it: what the
-    // buffers need is released from the cache, without waiting for the device (only memory
-    // whose frees have completed); when the device is then short of memory, the whole cache
-    // (which waits).
+    // buffers need is released from the cache: first what can go without waiting for the
+    // device (memory whose frees have completed), then, if that was not enough, the rest of
+    // what they need (which waits for the device once); when the device is still short of
+    // memory, the whole cache.
     std::array<std::size_t, 64> needed{};
     for (std::size_t i = 0; i < count; ++i) {
       movables().with(ptrs[i], [&](movable_buffer& b, int device) {
@@ -661,7 +662,9 @@ GLAKE_TORCH_API int glake_prefetch_many(void* const* ptrs, size_t count, CUstrea
       });
     }
     for (std::size_t d = 0; d < needed.size(); ++d) {
-      if (needed[d] != 0) plugin().release_completed(static_cast<int>(d), needed[d]);
+      if (needed[d] == 0) continue;
+      const std::size_t released = plugin().release_completed(static_cast<int>(d), needed[d]);
+      if (released < needed[d]) plugin().release_cached(static_cast<int>(d), needed[d] - released);
     }
     for (std::size_t i = 0; i < count; ++i) {
       movables().with(ptrs[i], [&](movable_buffer& b, int device) {
