@@ -197,6 +197,16 @@ torch_plugin::movable_registry<movable_buffer>& movables() {
 // Why the calling thread's last movable-buffer call failed (glake_last_error).
 thread_local std::string last_error;
 
+// GLAKE_PREFETCH_RELEASE (read once): "completed" makes prefetches release only cached memory
+// whose frees completed; anything else ("wait", the default) releases what they need, waiting.
+bool prefetch_release_completed() {
+  static const bool completed = [] {
+    const char* v = std::getenv("GLAKE_PREFETCH_RELEASE");
+    return v != nullptr && std::strcmp(v, "completed") == 0;
+  }();
+  return completed;
+}
+
 // The calling thread's movable scope (glake_set_movable_scope): requests of at least this many
 // bytes get movable buffers of their own; 0: none do.
 thread_local std::size_t movable_min_bytes = 0;
@@ -651,10 +661,11 @@ GLAKE_TORCH_API int glake_prefetch_many(void* const* ptrs, size_t count, CUstrea
   return movable_call("prefetching movable buffers", count != 0 ? ptrs[0] : nullptr, [&] {
     // The memory comes back in place of what glake's allocator caches on the device (memory
     // that the offloads freed and the allocator grew into meanwhile), not on top of it: what the
-    // buffers need is released from the cache: first what can go without waiting for the
-    // device (memory whose frees have completed), then, if that was not enough, the rest of
-    // what they need (which waits for the device once); when the device is still short of
-    // memory, the whole cache.
+    // buffers need is released from the cache first. GLAKE_PREFETCH_RELEASE=wait (the default)
+    // releases it after waiting for the device once; =completed releases only memory whose
+    // frees have completed, never waiting, and takes fresh memory for the rest (faster, but the
+    // peak may keep the cache and the buffers both: bench/results/offload.md). When the device
+    // is still short of memory, the whole cache goes.
     std::array<std::size_t, 64> needed{};
     for (std::size_t i = 0; i < count; ++i) {
       movables().with(ptrs[i], [&](movable_buffer& b, int device) {
@@ -663,8 +674,11 @@ GLAKE_TORCH_API int glake_prefetch_many(void* const* ptrs, size_t count, CUstrea
     }
     for (std::size_t d = 0; d < needed.size(); ++d) {
       if (needed[d] == 0) continue;
-      const std::size_t released = plugin().release_completed(static_cast<int>(d), needed[d]);
-      if (released < needed[d]) plugin().release_cached(static_cast<int>(d), needed[d] - released);
+      if (prefetch_release_completed()) {
+        plugin().release_completed(static_cast<int>(d), needed[d]);
+      } else {
+        plugin().release_cached(static_cast<int>(d), needed[d]);
+      }
     }
     for (std::size_t i = 0; i < count; ++i) {
       movables().with(ptrs[i], [&](movable_buffer& b, int device) {
