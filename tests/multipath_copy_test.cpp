@@ -321,6 +321,13 @@ TEST_CASE("multipath_copier refuses misuse") {
   CHECK_THROWS_AS(r.copier->copy(nullptr, host.data(), 100), usage_error);
   CHECK_THROWS_AS(r.copier->copy(r.dev(), nullptr, 100), usage_error);
   r.copier->copy(nullptr, nullptr, 0);  // nothing to copy: nothing checked
+  // A target range running past the device memory is refused before anything is copied.
+  std::vector<unsigned char> big(rig::capacity);
+  const std::vector<unsigned char> before = r.device;
+  CHECK_THROWS_AS(r.copier->copy(r.dev() + 100, big.data(), rig::capacity), usage_error);
+  CHECK_THROWS_AS(r.copier->copy(big.data(), r.dev() + 100, rig::capacity), usage_error);
+  CHECK(r.device == before);
+  CHECK(r.copier->stats().split_copies == 0);
   host_dma_backend b(0);
   range_classifier c;
   multipath_options zero_scratch = small_options();
@@ -346,6 +353,7 @@ TEST_CASE("multipath_copier survives a driver failure at every call, leaking no 
   const std::vector<unsigned char> b = pattern(n, 9);
   const stream_ref stream{std::uintptr_t{12}};
   std::uint64_t failures = 0;
+  bool peer_copy_failed = false, stream_wait_failed = false, scratch_failed = false;
   for (std::uint64_t k = 1;; ++k) {
     CAPTURE(k);
     bool faulted = false;
@@ -365,10 +373,14 @@ TEST_CASE("multipath_copier survives a driver failure at every call, leaking no 
         CHECK(back == a);
       } catch (const driver_error& e) {
         faulted = true;
-        CHECK(std::string(e.what()).find("injected") != std::string::npos);
+        const std::string what = e.what();
+        CHECK(what.find("injected") != std::string::npos);
+        peer_copy_failed = peer_copy_failed || what.find("enqueue_peer_copy") != std::string::npos;
+        stream_wait_failed = stream_wait_failed || what.find("stream_wait_event") != std::string::npos;
       } catch (const out_of_memory& e) {
         faulted = true;
         const std::string what = e.what();
+        scratch_failed = scratch_failed || what.find("scratch buffer") != std::string::npos;
         CHECK((what.find("pinned staging buffer") != std::string::npos ||
                what.find("scratch buffer") != std::string::npos));
       }
@@ -394,6 +406,9 @@ TEST_CASE("multipath_copier survives a driver failure at every call, leaking no 
   }
   CHECK(failures == faults->faults());
   CHECK(failures >= 50);  // four paths, each with chunks, pieces and events: many calls to fail
+  CHECK(peer_copy_failed);
+  CHECK(stream_wait_failed);
+  CHECK(scratch_failed);
 }
 
 TEST_CASE("threads: several threads copy through one multipath_copier at once") {

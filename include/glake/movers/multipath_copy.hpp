@@ -2,13 +2,13 @@
 // peer devices' links, each peer forwarding its share over the peer link (NVLink).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <future>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -153,11 +153,19 @@ class multipath_copier {
                                                              " is a null pointer");
     }
     const int target = target_.device();
-    const pointer_info to = classifier_.locate(dst);
-    const pointer_info from = classifier_.locate(src);
-    const auto host = [](pointer_info i) { return i.kind == memory_kind::pageable || i.kind == memory_kind::pinned; };
-    const bool to_device = host(from) && to.kind == memory_kind::device && to.device == target;
-    const bool to_host = host(to) && from.kind == memory_kind::device && from.device == target;
+    // A device range must be the target's from end to end; anything else goes to the direct
+    // staged_copier, which copies it or says why not.
+    const auto on_target = [&](const void* p) {
+      const pointer_info first = classifier_.locate(p);
+      const pointer_info last = classifier_.locate(static_cast<const char*>(p) + (bytes - 1));
+      return first.kind == memory_kind::device && first.device == target && last == first;
+    };
+    const auto host = [&](const void* p) {
+      const memory_kind k = classifier_.locate(p).kind;
+      return k == memory_kind::pageable || k == memory_kind::pinned;
+    };
+    const bool to_device = on_target(dst) && host(src);
+    const bool to_host = !to_device && on_target(src) && host(dst);
     const copy_plan plan = plan_copy(bytes, target, paths_, options_.alignment);
     if ((!to_device && !to_host) || (plan.shares.size() == 1 && plan.shares[0].path == 0)) {
       direct_->copy(dst, src, bytes, stream);
