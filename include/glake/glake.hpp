@@ -21,6 +21,8 @@
 #include "glake/config.hpp"
 #include "glake/errors.hpp"
 #include "glake/movers/concepts.hpp"
+#include "glake/movers/copy_plan.hpp"
+#include "glake/movers/multipath_copy.hpp"
 #include "glake/movers/staged_copy.hpp"
 #include "glake/movers/staging_ring.hpp"
 #include "glake/movers/virtual_buffer.hpp"

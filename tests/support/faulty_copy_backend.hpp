@@ -13,7 +13,8 @@
 
 namespace glake::testing {
 
-/// Counts the fallible calls (try_allocate_staging, enqueue_copy, record_event, event_done) and
+/// Counts the fallible calls (try_allocate_staging, enqueue_copy, record_event, event_done, and
+/// the peer calls try_allocate_device, enqueue_peer_copy, stream_wait_event) and
 /// fails the nth one from when it was armed, once. Shared by the wrapper's copies.
 class copy_faults {
  public:
@@ -80,10 +81,25 @@ class faulty_copy_backend {
   void recycle_event(event_type event) noexcept { inner_.recycle_event(event); }
   void wait_stream(stream_ref stream) noexcept { inner_.wait_stream(stream); }
 
+  void* try_allocate_device(std::size_t bytes) {
+    if (faults_->should_fail()) return nullptr;
+    return inner_.try_allocate_device(bytes);
+  }
+  void free_device(void* p, std::size_t bytes) noexcept { inner_.free_device(p, bytes); }
+  void enqueue_peer_copy(void* to, int to_device, const void* from, int from_device, std::size_t bytes,
+                         stream_ref stream) {
+    if (faults_->should_fail()) throw driver_error("injected enqueue_peer_copy", 4, "fault injected by the test");
+    inner_.enqueue_peer_copy(to, to_device, from, from_device, bytes, stream);
+  }
+  void stream_wait_event(stream_ref stream, event_type event) {
+    if (faults_->should_fail()) throw driver_error("injected stream_wait_event", 5, "fault injected by the test");
+    inner_.stream_wait_event(stream, event);
+  }
+
  private:
   host_dma_backend inner_;
   std::shared_ptr<copy_faults> faults_;
 };
-static_assert(copy_backend<faulty_copy_backend>);
+static_assert(peer_copy_backend<faulty_copy_backend>);
 
 }  // namespace glake::testing

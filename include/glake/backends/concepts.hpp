@@ -236,6 +236,40 @@ concept copy_backend =
       { b.wait_stream(stream) } noexcept -> std::same_as<void>;
     };
 
+// ---------------------------------------------------------------------------------------------
+// peer_copy_backend (optional refinement of copy_backend)
+//
+// What a multi-path copy needs besides: scratch memory on a peer device that a share passes
+// through, copies between two devices' memory, and a stream that waits for an event recorded on
+// another device's stream. Events and streams of the backends of one process's devices mix: an
+// event recorded by the backend of device a may be waited for by the backend of device b.
+//
+// | expression                         | returns | throws       | meaning
+// |------------------------------------|---------|--------------|------------------------------------
+// | b.try_allocate_device(n)           | void*   | driver_error | n bytes of b.device()'s memory;
+// |                                    |         |              | null when out of memory
+// | b.free_device(p, n)                | void    | no           | p, n from try_allocate_device; no
+// |                                    |         |              | queued work may still use it
+// | b.enqueue_peer_copy(d, dd, s, sd, n, st) | void | driver_error | queues n bytes from s (memory of
+// |                                    |         |              | device sd) to d (of device dd) on
+// |                                    |         |              | stream st of b.device()
+// | b.stream_wait_event(st, e)         | void    | driver_error | work queued on st from now on runs
+// |                                    |         |              | after the work e marks; e may be
+// |                                    |         |              | recycled right after the call
+//
+// Smallest model: host_dma_backend in backends/host_dma.hpp (on_device(k) gives the backend of
+// simulated device k). CUDA model: cuda_copy_backend in backends/cuda_copy.hpp.
+// ---------------------------------------------------------------------------------------------
+template <class B>
+concept peer_copy_backend =
+    copy_backend<B> && requires(B& b, void* to, const void* from, int device, std::size_t bytes, stream_ref stream,
+                                typename B::event_type event) {
+      { b.try_allocate_device(bytes) } -> std::same_as<void*>;
+      { b.free_device(to, bytes) } noexcept -> std::same_as<void>;
+      { b.enqueue_peer_copy(to, device, from, device, bytes, stream) } -> std::same_as<void>;
+      { b.stream_wait_event(stream, event) } -> std::same_as<void>;
+    };
+
 /// What a pointer points at, as a copy engine needs to know it.
 enum class memory_kind : unsigned char {
   pageable,  ///< ordinary host memory: the device cannot read it directly

@@ -9,6 +9,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
+#include <vector>
 
 #include "glake/backends/concepts.hpp"
 #include "glake/backends/cuda.hpp"
@@ -28,6 +30,11 @@ namespace glake {
 // CUDA runtime and PyTorch use). Each call runs in the calling thread's current context, or in
 // the primary context where the thread has none current (which then stays current, as the
 // runtime does). Streams given to it must belong to that context.
+// The peer_copy_backend members run in the device's primary context, pushed for the call:
+// scratch memory is cuMemAlloc, a peer copy is cuMemcpyAsync between the two devices' memory
+// (unified addressing; it goes over the peer link once cuda_enable_peer_access was called for
+// the pair, through host memory otherwise), stream_wait_event is cuStreamWaitEvent. Only
+// compile-checked so far: not yet run on a machine with several GPUs.
 // Copies of the object share the context reference and the event pool (a handle).
 // Thread safety: every member may be called concurrently (the driver's, and the pool's mutex).
 // ---------------------------------------------------------------------------------------------
@@ -79,6 +86,36 @@ class cuda_copy_backend {
     return true;
   }
 
+  void* try_allocate_device(std::size_t bytes) {
+    const context_scope scope(state_->primary.context);
+    CUdeviceptr p = 0;
+    const CUresult result = cuMemAlloc(&p, bytes);
+    if (detail::cuda_out_of_memory(result)) return nullptr;
+    detail::cuda_check(result, "cuMemAlloc");
+    return reinterpret_cast<void*>(p);
+  }
+
+  void free_device(void* p, std::size_t) noexcept {
+    const context_scope scope(state_->primary.context);
+    (void)cuMemFree(reinterpret_cast<CUdeviceptr>(p));
+  }
+
+  void enqueue_peer_copy(void* to, int, const void* from, int, std::size_t bytes, stream_ref stream) {
+    if (bytes == 0) return;
+    const context_scope scope(state_->primary.context);
+    detail::cuda_check(cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(to), reinterpret_cast<CUdeviceptr>(from), bytes,
+                                     stream.as<CUstream_st>()),
+                       "cuMemcpyAsync (peer)");
+  }
+
+  void stream_wait_event(stream_ref stream, event_type event) {
+    const context_scope scope(state_->primary.context);
+    detail::cuda_check(cuStreamWaitEvent(stream.as<CUstream_st>(), event, 0), "cuStreamWaitEvent");
+  }
+
+  /// The device's primary context, retained for the life of the backend.
+  CUcontext context() const noexcept { return state_->primary.context; }
+
   void wait_event(event_type event) noexcept { (void)cuEventSynchronize(event); }
   void recycle_event(event_type event) noexcept { state_->events.give(event); }
   void wait_stream(stream_ref stream) noexcept {
@@ -91,6 +128,18 @@ class cuda_copy_backend {
     CUcontext current = nullptr;
     if (cuCtxGetCurrent(&current) == CUDA_SUCCESS && current == nullptr) (void)cuCtxSetCurrent(state_->primary.context);
   }
+
+  // Makes `context` current for a scope, then restores the thread's previous one.
+  struct context_scope {
+    explicit context_scope(CUcontext context) noexcept : pushed(cuCtxPushCurrent(context) == CUDA_SUCCESS) {}
+    context_scope(const context_scope&) = delete;
+    context_scope& operator=(const context_scope&) = delete;
+    ~context_scope() {
+      CUcontext popped = nullptr;
+      if (pushed) (void)cuCtxPopCurrent(&popped);
+    }
+    bool pushed;
+  };
 
   struct primary_context {
     explicit primary_context(int ordinal) {
@@ -112,7 +161,52 @@ class cuda_copy_backend {
   };
   std::shared_ptr<state> state_;
 };
-static_assert(copy_backend<cuda_copy_backend>);
+static_assert(peer_copy_backend<cuda_copy_backend>);
+
+/// Lets each of the two devices read and write the other's memory directly (cuCtxEnablePeerAccess
+/// both ways), so that peer copies between them take the peer link; access already enabled is
+/// not an error. driver_error when the pair has no peer access (see cuda_link_weights).
+inline void cuda_enable_peer_access(const cuda_copy_backend& a, const cuda_copy_backend& b) {
+  const auto enable = [](CUcontext from, CUcontext to) {
+    detail::cuda_check(cuCtxPushCurrent(from), "cuCtxPushCurrent");
+    const CUresult result = cuCtxEnablePeerAccess(to, 0);
+    CUcontext popped = nullptr;
+    (void)cuCtxPopCurrent(&popped);
+    if (result != CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) detail::cuda_check(result, "cuCtxEnablePeerAccess");
+  };
+  enable(a.context(), b.context());
+  enable(b.context(), a.context());
+}
+
+/// Default weights of the peer paths to `target`, in the unit of a direct path of weight 1, for
+/// peer_route::weight: 0 for a peer without peer access to the target (its forward copy would go
+/// through host memory), else 1 / (1 + the driver's performance rank of the link peer -> target)
+/// (rank 0, the best link such as NVLink, gives 1: the peer's host link is then the bottleneck,
+/// as fast as the target's own). cuDeviceGetP2PAttribute ranks links; it does not measure them:
+/// measured bandwidths, where known, should replace these weights.
+inline std::vector<double> cuda_link_weights(int target, std::span<const int> peers) {
+  detail::cuda_check(cuInit(0), "cuInit");
+  CUdevice to{};
+  detail::cuda_check(cuDeviceGet(&to, target), "cuDeviceGet");
+  std::vector<double> weights;
+  weights.reserve(peers.size());
+  for (const int peer : peers) {
+    CUdevice from{};
+    detail::cuda_check(cuDeviceGet(&from, peer), "cuDeviceGet");
+    int access = 0;
+    int rank = 0;
+    detail::cuda_check(cuDeviceGetP2PAttribute(&access, CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED, from, to),
+                       "cuDeviceGetP2PAttribute");
+    if (access == 0 || peer == target) {
+      weights.push_back(0.0);
+      continue;
+    }
+    detail::cuda_check(cuDeviceGetP2PAttribute(&rank, CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK, from, to),
+                       "cuDeviceGetP2PAttribute");
+    weights.push_back(1.0 / (1.0 + static_cast<double>(rank < 0 ? 0 : rank)));
+  }
+  return weights;
+}
 
 // ---------------------------------------------------------------------------------------------
 // cuda_pointer_classifier

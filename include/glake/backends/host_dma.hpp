@@ -45,6 +45,12 @@ namespace glake {
 // Staging memory is operator new memory; live_staging() and live_events() count what was
 // allocated or recorded and not yet freed or recycled, for leak checks.
 //
+// Several simulated devices: on_device(k) is a backend of device k that shares this one's
+// streams, events and counters, as the backends of one process's GPUs share the driver. Its
+// peer_copy_backend members: device memory is operator new memory (live_device() counts it), a
+// peer copy is a memmove queued like enqueue_copy (peer_copies() counts them), and
+// stream_wait_event queues an item that blocks its stream until the event's stream got there.
+//
 // Copies of the object share its state (a handle). Thread safety: every member may be called
 // concurrently (one mutex). The destructor of the last copy waits for all queued work, then
 // joins the streams' threads.
@@ -57,9 +63,55 @@ class host_dma_backend {
   };
 
   explicit host_dma_backend(int device = 0, std::chrono::microseconds dma_delay = std::chrono::microseconds{0})
-      : state_(std::make_shared<state>(device, dma_delay)) {}
+      : state_(std::make_shared<state>(dma_delay)), device_(device) {}
 
-  int device() const noexcept { return state_->device; }
+  int device() const noexcept { return device_; }
+
+  /// The backend of simulated device `device`, sharing this one's streams and counters.
+  host_dma_backend on_device(int device) const {
+    host_dma_backend b = *this;
+    b.device_ = device;
+    return b;
+  }
+
+  void* try_allocate_device(std::size_t bytes) {
+    void* p = ::operator new(bytes == 0 ? 1 : bytes, std::align_val_t{64}, std::nothrow);
+    if (p == nullptr) return nullptr;
+    std::lock_guard lock(state_->mutex);
+    ++state_->live_device;
+    return p;
+  }
+
+  void free_device(void* p, std::size_t) noexcept {
+    if (p == nullptr) return;
+    {
+      std::lock_guard lock(state_->mutex);
+      --state_->live_device;
+    }
+    ::operator delete(p, std::align_val_t{64});
+  }
+
+  void enqueue_peer_copy(void* to, int, const void* from, int, std::size_t bytes, stream_ref stream) {
+    state* const s = state_.get();
+    {
+      std::lock_guard lock(s->mutex);
+      ++s->peer_copies;
+    }
+    launch(stream, [s, to, from, bytes] {
+      if (s->dma_delay.count() > 0) std::this_thread::sleep_for(s->dma_delay);
+      if (bytes != 0) std::memmove(to, from, bytes);
+    });
+  }
+
+  void stream_wait_event(stream_ref stream, event_type event) {
+    state* const s = state_.get();
+    launch(stream, [s, event] {
+      std::unique_lock lock(s->mutex);
+      stream_state* other = s->find(event.stream);
+      if (other == nullptr) return;
+      s->progress.wait(lock, [&] { return other->completed >= event.ticket; });
+    });
+  }
 
   void* try_allocate_staging(std::size_t bytes) {
     void* p = ::operator new(bytes == 0 ? 1 : bytes, std::align_val_t{64}, std::nothrow);
@@ -153,6 +205,16 @@ class host_dma_backend {
     std::lock_guard lock(state_->mutex);
     return state_->live_staging_bytes;
   }
+  /// Device memory from try_allocate_device not yet freed, on every device.
+  std::size_t live_device() const {
+    std::lock_guard lock(state_->mutex);
+    return state_->live_device;
+  }
+  /// enqueue_peer_copy calls so far, on every device.
+  std::uint64_t peer_copies() const {
+    std::lock_guard lock(state_->mutex);
+    return state_->peer_copies;
+  }
   std::size_t live_events() const {
     std::lock_guard lock(state_->mutex);
     return state_->live_events;
@@ -186,7 +248,7 @@ class host_dma_backend {
   };
 
   struct state {
-    state(int dev, std::chrono::microseconds delay) : device(dev), dma_delay(delay) {}
+    explicit state(std::chrono::microseconds delay) : dma_delay(delay) {}
     state(const state&) = delete;
     state& operator=(const state&) = delete;
     ~state() {
@@ -234,7 +296,6 @@ class host_dma_backend {
       }
     }
 
-    const int device;
     const std::chrono::microseconds dma_delay;
     mutable std::mutex mutex;
     std::condition_variable wake;      ///< work queued, or stopping
@@ -246,11 +307,15 @@ class host_dma_backend {
     std::size_t live_staging_bytes = 0;
     std::size_t live_events = 0;
     std::uint64_t source_changes = 0;
+    std::size_t live_device = 0;
+    std::uint64_t peer_copies = 0;
   };
 
   std::shared_ptr<state> state_;
+  int device_;
 };
 static_assert(copy_backend<host_dma_backend>);
+static_assert(peer_copy_backend<host_dma_backend>);
 
 // ---------------------------------------------------------------------------------------------
 // range_classifier

@@ -100,6 +100,16 @@ struct copy_backend_archetype {
 };
 static_assert(copy_backend<copy_backend_archetype>);
 
+/// A peer_copy_backend and nothing more.
+struct peer_copy_backend_archetype : copy_backend_archetype {
+  void* try_allocate_device(std::size_t bytes);
+  void free_device(void* p, std::size_t bytes) noexcept;
+  void enqueue_peer_copy(void* to, int to_device, const void* from, int from_device, std::size_t bytes,
+                         stream_ref stream);
+  void stream_wait_event(stream_ref stream, event_type event);
+};
+static_assert(peer_copy_backend<peer_copy_backend_archetype>);
+
 /// A pointer_classifier and nothing more.
 struct pointer_classifier_archetype {
   pointer_info locate(const void* p);
