@@ -28,6 +28,7 @@
 #include <tuple>
 #include <vector>
 
+#include "fuzz_support.hpp"
 #include "glake/allocators/caching_allocator.hpp"
 #include "glake/allocators/segment_source.hpp"
 #include "glake/allocators/segregator.hpp"
@@ -43,6 +44,8 @@
 #define GLAKE_FUZZ_ABSURD_DEFAULT 1
 #endif
 
+#define GLAKE_FUZZ_TARGET "alloc_ops_fuzzer"
+
 namespace {
 
 using namespace glake;
@@ -53,28 +56,7 @@ std::uint64_t absurd_requests = 0;
 std::uint64_t absurd_granted = 0;
 bool absurd_enabled = GLAKE_FUZZ_ABSURD_DEFAULT != 0;
 
-[[noreturn]] void fail(const char* what, std::uint64_t step) {
-  std::fprintf(stderr, "alloc_ops_fuzzer: check failed at operation %" PRIu64 ": %s\n", step, what);
-  std::abort();
-}
-#define GLAKE_FUZZ_CHECK(cond, step) \
-  do {                               \
-    if (!(cond)) fail(#cond, step);  \
-  } while (0)
-
-// Reads the input front to back; past its end every read gives 0 and `done()` is true.
-class byte_reader {
- public:
-  byte_reader(const std::uint8_t* data, std::size_t size) : data_(data), size_(size) {}
-  bool done() const noexcept { return at_ >= size_; }
-  std::uint8_t byte() noexcept { return at_ < size_ ? data_[at_++] : 0; }
-  std::uint16_t u16() noexcept { return static_cast<std::uint16_t>(byte() | byte() << 8); }
-
- private:
-  const std::uint8_t* data_;
-  std::size_t size_;
-  std::size_t at_ = 0;
-};
+using fuzzing::byte_reader;
 
 constexpr std::size_t host_granularity = 64 * KiB;
 constexpr std::size_t host_capacity = 256 * MiB;

@@ -20,61 +20,30 @@
 #include <memory>
 #include <vector>
 
+#include "fuzz_support.hpp"
 #include "glake/backends/fault_injection.hpp"
 #include "glake/backends/host.hpp"
 #include "glake/backends/sim.hpp"
 #include "glake/movers/virtual_buffer.hpp"
 #include "support/evented_reserver.hpp"
+#include "support/stamp.hpp"
+
+#define GLAKE_FUZZ_TARGET "tiered_ops_fuzzer"
 
 namespace {
 
 using namespace glake;
+using testing::stamp;
+using testing::stamped;
 
 std::uint64_t operations_executed = 0;
 std::uint64_t inputs_executed = 0;
 std::uint64_t moves_refused = 0;
 
-[[noreturn]] void fail(const char* what, std::uint64_t step) {
-  std::fprintf(stderr, "tiered_ops_fuzzer: check failed at operation %" PRIu64 ": %s\n", step, what);
-  std::abort();
-}
-#define GLAKE_FUZZ_CHECK(cond, step) \
-  do {                               \
-    if (!(cond)) fail(#cond, step);  \
-  } while (0)
-
-class byte_reader {
- public:
-  byte_reader(const std::uint8_t* data, std::size_t size) : data_(data), size_(size) {}
-  bool done() const noexcept { return at_ >= size_; }
-  std::uint8_t byte() noexcept { return at_ < size_ ? data_[at_++] : 0; }
-
- private:
-  const std::uint8_t* data_;
-  std::size_t size_;
-  std::size_t at_ = 0;
-};
+using fuzzing::byte_reader;
 
 constexpr std::size_t granularity = 64 * KiB;
 
-// One word per 4 KiB page and the last byte of a piece stand for its contents.
-void stamp(void* p, std::size_t bytes, std::uint64_t tag) {
-  auto* b = static_cast<unsigned char*>(p);
-  for (std::size_t offset = 0; offset + sizeof tag <= bytes; offset += 4096) {
-    const std::uint64_t value = tag ^ offset;
-    std::memcpy(b + offset, &value, sizeof value);
-  }
-  b[bytes - 1] = static_cast<unsigned char>(tag);
-}
-bool stamped(const void* p, std::size_t bytes, std::uint64_t tag) {
-  const auto* b = static_cast<const unsigned char*>(p);
-  for (std::size_t offset = 0; offset + sizeof tag <= bytes; offset += 4096) {
-    std::uint64_t value;
-    std::memcpy(&value, b + offset, sizeof value);
-    if (value != (tag ^ offset)) return false;
-  }
-  return b[bytes - 1] == static_cast<unsigned char>(tag);
-}
 
 // Host memory behind fault-injecting wrappers: the bytes are real.
 struct host_setup {

@@ -9,33 +9,16 @@
 
 #include "glake/allocators/stitching_allocator.hpp"
 #include "glake/backends/host.hpp"
+#include "support/stamp.hpp"
 
 namespace {
 
 using namespace glake;
+using testing::stamp;
+using testing::stamped;
 using host_stitching = stitching_allocator<host_provider, host_reserver>;
 constexpr std::size_t M = MiB;
 
-// A word per 4 KiB page (and the last byte) identifies its owner: cheap to write and check,
-// yet any remapping of a page under a live allocation would show.
-void stamp(void* p, std::size_t bytes, std::uint64_t tag) {
-  auto* bytes_ptr = static_cast<unsigned char*>(p);
-  for (std::size_t offset = 0; offset + sizeof tag <= bytes; offset += 4096) {
-    const std::uint64_t value = tag ^ offset;
-    std::memcpy(bytes_ptr + offset, &value, sizeof value);
-  }
-  bytes_ptr[bytes - 1] = static_cast<unsigned char>(tag);
-}
-
-bool stamped(const void* p, std::size_t bytes, std::uint64_t tag) {
-  const auto* bytes_ptr = static_cast<const unsigned char*>(p);
-  for (std::size_t offset = 0; offset + sizeof tag <= bytes; offset += 4096) {
-    std::uint64_t value;
-    std::memcpy(&value, bytes_ptr + offset, sizeof value);
-    if (value != (tag ^ offset)) return false;
-  }
-  return bytes_ptr[bytes - 1] == static_cast<unsigned char>(tag);
-}
 
 }  // namespace
 

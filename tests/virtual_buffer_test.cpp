@@ -14,10 +14,13 @@
 #include "glake/backends/sim.hpp"
 #include "glake/movers/virtual_buffer.hpp"
 #include "support/evented_reserver.hpp"
+#include "support/stamp.hpp"
 
 namespace {
 
 using namespace glake;
+using testing::stamp;
+using testing::stamped;
 constexpr std::size_t K = 1024;
 constexpr std::size_t G = 64 * K;  // the tests' granularity: small, so real memory stays small
 
@@ -70,23 +73,6 @@ struct evented_fixture {
   static constexpr bool has_bytes = false;
 };
 
-void stamp(void* p, std::size_t bytes, std::uint64_t tag) {
-  auto* b = static_cast<unsigned char*>(p);
-  for (std::size_t offset = 0; offset + sizeof tag <= bytes; offset += 4096) {
-    const std::uint64_t value = tag ^ offset;
-    std::memcpy(b + offset, &value, sizeof value);
-  }
-}
-
-bool stamped(const void* p, std::size_t bytes, std::uint64_t tag) {
-  const auto* b = static_cast<const unsigned char*>(p);
-  for (std::size_t offset = 0; offset + sizeof tag <= bytes; offset += 4096) {
-    std::uint64_t value;
-    std::memcpy(&value, b + offset, sizeof value);
-    if (value != (tag ^ offset)) return false;
-  }
-  return true;
-}
 
 }  // namespace
 

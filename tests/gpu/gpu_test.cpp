@@ -14,6 +14,7 @@
 #include "glake/allocators/stitching_allocator.hpp"
 #include "glake/backends/cuda.hpp"
 #include "glake/backends/fault_injection.hpp"
+#include "gpu_checks.hpp"
 #include "kernels.hpp"
 
 namespace {
@@ -22,17 +23,8 @@ using namespace glake;
 using cuda_stitching = stitching_allocator<cuda_provider, cuda_reserver>;
 constexpr std::size_t M = MiB;
 
-std::size_t device_free_bytes() {
-  std::size_t free = 0, total = 0;
-  REQUIRE(cudaMemGetInfo(&free, &total) == cudaSuccess);
-  return free;
-}
-
-unsigned long long mismatches(const void* p, std::size_t bytes, unsigned int seed, cudaStream_t stream = nullptr) {
-  unsigned long long count = ~0ull;
-  REQUIRE(gpu_test::count_mismatches(p, bytes, seed, &count, stream) == cudaSuccess);
-  return count;
-}
+using gpu_test::device_free_bytes;
+using gpu_test::mismatches;
 
 config stitch_everything() {
   config cfg;

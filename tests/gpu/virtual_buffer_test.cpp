@@ -12,6 +12,7 @@
 
 #include "glake/backends/cuda.hpp"
 #include "glake/movers/virtual_buffer.hpp"
+#include "gpu_checks.hpp"
 #include "kernels.hpp"
 
 namespace {
@@ -21,17 +22,8 @@ using cuda_buffer = virtual_buffer<cuda_provider, cuda_host_provider, cuda_reser
 static_assert(tiered_memory<cuda_buffer>);
 constexpr std::size_t M = MiB;
 
-std::size_t device_free_bytes() {
-  std::size_t free = 0, total = 0;
-  REQUIRE(cudaMemGetInfo(&free, &total) == cudaSuccess);
-  return free;
-}
-
-unsigned long long mismatches(const void* p, std::size_t bytes, unsigned int seed, cudaStream_t stream = nullptr) {
-  unsigned long long count = ~0ull;
-  REQUIRE(gpu_test::count_mismatches(p, bytes, seed, &count, stream) == cudaSuccess);
-  return count;
-}
+using gpu_test::device_free_bytes;
+using gpu_test::mismatches;
 
 cuda_buffer make_buffer(std::size_t bytes, std::size_t piece) {
   return cuda_buffer(cuda_provider(0), cuda_host_provider(0), cuda_reserver(0), cuda_copier{}, bytes, piece);
