@@ -1,6 +1,6 @@
 // staged_copier on a real GPU: pageable memory to the device and back from 1 byte to 1 GiB, the
 // direct path for pinned and registered memory, ordering after kernels, file loads, and what
-// the classifier says about each kind of memory.
+// the classifier says about each kind of memory; multipath_copier where there are several GPUs.
 #include <doctest/doctest.h>
 
 #include <cuda.h>
@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "glake/backends/cuda_copy.hpp"
+#include "glake/movers/multipath_copy.hpp"
 #include "glake/movers/staged_copy.hpp"
 #include "kernels.hpp"
 
@@ -229,4 +230,58 @@ TEST_CASE("gpu: staged_copier refuses device memory of another device") {
   std::vector<unsigned char> host(4096);
   CHECK_THROWS_AS(copier.copy(other.data(), host.data(), host.size()), usage_error);
   CHECK(copier.stats().staged_copies + copier.stats().direct_copies == 0);
+}
+
+TEST_CASE("gpu: multipath_copier splits copies into device 0 over every peer, both forwarding modes") {
+  int devices = 0;
+  REQUIRE(cudaGetDeviceCount(&devices) == cudaSuccess);
+  if (devices < 2) {
+    MESSAGE("one device only: no peer to split with");
+    return;
+  }
+  using cuda_multipath = multipath_copier<cuda_copy_backend, cuda_pointer_classifier>;
+  static_assert(byte_copier<cuda_multipath>);
+  std::vector<cuda_copy_backend> backends;
+  std::vector<cudaStream_t> streams(static_cast<std::size_t>(devices));
+  for (int d = 0; d < devices; ++d) {
+    REQUIRE(cudaSetDevice(d) == cudaSuccess);
+    REQUIRE(cudaStreamCreateWithFlags(&streams[static_cast<std::size_t>(d)], cudaStreamNonBlocking) == cudaSuccess);
+    backends.emplace_back(d);
+  }
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  for (int a = 0; a < devices; ++a) {
+    for (int b = a + 1; b < devices; ++b) {
+      cuda_enable_peer_access(backends[static_cast<std::size_t>(a)], backends[static_cast<std::size_t>(b)]);
+    }
+  }
+  const std::size_t n = 96 * MiB + 12;  // not a multiple of the alignment: an uneven last share
+  device_buffer dev(n);
+  std::vector<unsigned char> host(n), back(n);
+  host_fill(host.data(), n, 11);
+  for (const peer_forwarding forwarding : {peer_forwarding::direct, peer_forwarding::through_scratch}) {
+    CAPTURE(forwarding == peer_forwarding::direct);
+    std::vector<peer_route<cuda_copy_backend>> peers;
+    for (int d = 1; d < devices; ++d) {
+      peers.push_back({backends[static_cast<std::size_t>(d)], stream_ref{streams[static_cast<std::size_t>(d)]}, 1.0,
+                       4 * MiB});
+    }
+    multipath_options o;
+    o.forwarding = forwarding;
+    o.scratch_bytes = 16 * MiB;  // a peer's share in several pieces
+    cuda_multipath copier(backends[0], peers, cuda_pointer_classifier{}, o);
+    stream_holder s;
+    // A kernel queued before the copy writes what the copy overwrites: the copy comes after it.
+    REQUIRE(gpu_test::fill(dev.data(), n, 5, s.stream) == cudaSuccess);
+    copier.copy(dev.data(), host.data(), n, stream_ref{s.stream});
+    CHECK(device_mismatches(dev.data(), n, 11, s.stream) == 0);
+    REQUIRE(gpu_test::fill(dev.data(), n, 12, s.stream) == cudaSuccess);
+    std::memset(back.data(), 0, n);
+    copier.copy(back.data(), dev.data(), n, stream_ref{s.stream});
+    CHECK(host_mismatches(back.data(), n, 12) == 0);
+    const multipath_statistics st = copier.stats();
+    CHECK(st.split_copies == 2);
+    for (int d = 0; d < devices; ++d) CHECK(st.path_bytes[static_cast<std::size_t>(d)] > 0);
+    copier.release_scratch();
+  }
+  for (cudaStream_t st : streams) (void)cudaStreamDestroy(st);
 }

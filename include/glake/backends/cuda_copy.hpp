@@ -27,14 +27,15 @@ namespace glake {
 // (timing disabled) and are waited for with cuEventSynchronize.
 //
 // Contexts: the device's primary context is retained for the life of the backend (the one the
-// CUDA runtime and PyTorch use). Each call runs in the calling thread's current context, or in
-// the primary context where the thread has none current (which then stays current, as the
-// runtime does). Streams given to it must belong to that context.
+// CUDA runtime and PyTorch use). Each call runs in the calling thread's current context when
+// that is this device's; in the primary context where the thread has none current (which then
+// stays current, as the runtime does); in the primary context pushed for the call where the
+// current one is another device's, so one thread may drive the backends of several devices.
+// Streams given to it must belong to the context the call runs in.
 // The peer_copy_backend members run in the device's primary context, pushed for the call:
 // scratch memory is cuMemAlloc, a peer copy is cuMemcpyAsync between the two devices' memory
 // (unified addressing; it goes over the peer link once cuda_enable_peer_access was called for
-// the pair, through host memory otherwise), stream_wait_event is cuStreamWaitEvent. Only
-// compile-checked so far: not yet run on a machine with several GPUs.
+// the pair, through host memory otherwise), stream_wait_event is cuStreamWaitEvent.
 // Copies of the object share the context reference and the event pool (a handle).
 // Thread safety: every member may be called concurrently (the driver's, and the pool's mutex).
 // ---------------------------------------------------------------------------------------------
@@ -47,7 +48,7 @@ class cuda_copy_backend {
   int device() const noexcept { return state_->device; }
 
   void* try_allocate_staging(std::size_t bytes) {
-    use_context();
+    const device_scope scope(*this);
     void* p = nullptr;
     const CUresult result = cuMemHostAlloc(&p, bytes, CU_MEMHOSTALLOC_PORTABLE);
     if (detail::cuda_out_of_memory(result)) return nullptr;
@@ -56,20 +57,20 @@ class cuda_copy_backend {
   }
 
   void free_staging(void* p, std::size_t) noexcept {
-    use_context();
+    const device_scope scope(*this);
     (void)cuMemFreeHost(p);
   }
 
   void enqueue_copy(void* to, const void* from, std::size_t bytes, stream_ref stream) {
     if (bytes == 0) return;
-    use_context();
+    const device_scope scope(*this);
     detail::cuda_check(cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(to), reinterpret_cast<CUdeviceptr>(from), bytes,
                                      stream.as<CUstream_st>()),
                        "cuMemcpyAsync");
   }
 
   event_type record_event(stream_ref stream) {
-    use_context();
+    const device_scope scope(*this);
     CUevent event = state_->events.take();
     const CUresult result = cuEventRecord(event, stream.as<CUstream_st>());
     if (result != CUDA_SUCCESS) {
@@ -119,15 +120,36 @@ class cuda_copy_backend {
   void wait_event(event_type event) noexcept { (void)cuEventSynchronize(event); }
   void recycle_event(event_type event) noexcept { state_->events.give(event); }
   void wait_stream(stream_ref stream) noexcept {
-    use_context();
+    const device_scope scope(*this);
     (void)cuStreamSynchronize(stream.as<CUstream_st>());
   }
 
  private:
-  void use_context() const noexcept {
-    CUcontext current = nullptr;
-    if (cuCtxGetCurrent(&current) == CUDA_SUCCESS && current == nullptr) (void)cuCtxSetCurrent(state_->primary.context);
-  }
+  // The context a call runs in: the calling thread's current one when it is this device's; the
+  // primary context where the thread has none (it then stays current, as the runtime does); the
+  // primary context pushed for the call where the current one is another device's (a thread that
+  // works with several devices: events and streams of this device belong to its context).
+  struct device_scope {
+    explicit device_scope(const cuda_copy_backend& b) noexcept {
+      CUcontext current = nullptr;
+      if (cuCtxGetCurrent(&current) != CUDA_SUCCESS) return;
+      if (current == nullptr) {
+        (void)cuCtxSetCurrent(b.state_->primary.context);
+        return;
+      }
+      CUdevice device{};
+      if (cuCtxGetDevice(&device) == CUDA_SUCCESS && device != b.state_->primary.device) {
+        pushed = cuCtxPushCurrent(b.state_->primary.context) == CUDA_SUCCESS;
+      }
+    }
+    device_scope(const device_scope&) = delete;
+    device_scope& operator=(const device_scope&) = delete;
+    ~device_scope() {
+      CUcontext popped = nullptr;
+      if (pushed) (void)cuCtxPopCurrent(&popped);
+    }
+    bool pushed = false;
+  };
 
   // Makes `context` current for a scope, then restores the thread's previous one.
   struct context_scope {
