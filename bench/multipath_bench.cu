@@ -2,21 +2,19 @@
 // multipath_copier splitting them with 1..k-1 peer GPUs. One program, one run; never run in CI.
 //
 // First the links are measured, one at a time, 1 GiB (or --max-mib) each: every GPU's own host
-// link (pinned cudaMemcpyAsync into and out of its memory), every peer's path into device 0's
-// memory (the peer's stream copies between pinned host memory and device 0's memory: its copy
-// engine reads the host over its own link and writes over the peer link), the peer link itself
-// (cudaMemcpyPeerAsync), and all host links at once. The split's weights are these measured
-// bandwidths: direct = device 0's own link, peer d = its measured path into device 0 (one weight
-// set a direction).
+// link (pinned cudaMemcpyAsync into and out of its memory), every peer link to and from device 0
+// (cudaMemcpyPeerAsync), and all host links at once. The split's weights come from these
+// measured bandwidths (one weight set a direction): direct = device 0's own link; peer d = its
+// own link and its peer link in series, 1 / (1 / link + 1 / peer link), since a piece crosses
+// the two one after the other on the peer's stream.
 // Then for each GPU count k in --gpus (devices 0..k-1) and each size (64 MiB .. --max-mib), both
 // directions, pinned and pageable host memory, --repeats rounds (5 from 4 GiB up), each round
 // timing every method once, in an order reversed every other round:
 //   direct          pinned: cudaMemcpyAsync; pageable: glake's staged_copier (the best single path)
-//   multipath       multipath_copier, peer_forwarding::direct (the default)
-//   via scratch     multipath_copier, peer_forwarding::through_scratch
+//   multipath       multipath_copier with the measured weights
 // A time runs from the call to the end of cudaStreamSynchronize on device 0's stream (which waits
 // for the peers' streams). Bandwidth = bytes / time (GB/s, 1e9 bytes): median and p10-p90. The
-// bytes of both multipath modes are checked once per size against the source.
+// multipath copies' bytes are checked once per size against the source.
 // Output (stdout): "# " header lines (GPUs, driver), one JSON object a line, then markdown.
 //
 // Build: nvcc -std=c++20 -O3 -arch=sm_90 -Iinclude bench/multipath_bench.cu -lcuda -o /tmp/multipath_bench
@@ -69,17 +67,18 @@ void sync_all(const std::vector<cudaStream_t>& streams, int k) {
 }
 
 struct link_rates {
-  summary own_h2d, own_d2h;  // the device's own host link
-  summary via_h2d, via_d2h;  // host <-> device 0's memory by this device's copy engine (peers only)
-  summary peer;              // this device's memory -> device 0's, cudaMemcpyPeerAsync (peers only)
+  summary own_h2d, own_d2h;    // the device's own host link
+  summary to_0, from_0;        // its memory to device 0's, and back, cudaMemcpyPeerAsync (peers only)
 };
+
+double in_series(double a, double b) { return 1.0 / (1.0 / a + 1.0 / b); }
 
 struct row {
   int gpus;
   std::size_t bytes;
   const char* host;       // "pinned" | "pageable"
   const char* direction;  // "h2d" | "d2h"
-  summary direct, split, scratch;
+  summary direct, split;
   std::vector<double> shares;  // fraction of the bytes per path in the multipath copies
   bool ok;
 };
@@ -176,15 +175,12 @@ int main(int argc, char** argv) {
     l.own_h2d = rate(d, [&] { check(cudaMemcpyAsync(mine, pinned, cal_bytes, cudaMemcpyHostToDevice, s), "h2d"); });
     l.own_d2h = rate(d, [&] { check(cudaMemcpyAsync(pinned, mine, cal_bytes, cudaMemcpyDeviceToHost, s), "d2h"); });
     if (d == 0) continue;
-    l.via_h2d = rate(d, [&] { check(cudaMemcpyAsync(target, pinned, cal_bytes, cudaMemcpyDefault, s), "via h2d"); });
-    l.via_d2h = rate(d, [&] { check(cudaMemcpyAsync(pinned, target, cal_bytes, cudaMemcpyDefault, s), "via d2h"); });
-    l.peer = rate(d, [&] { check(cudaMemcpyPeerAsync(target, 0, mine, d, cal_bytes, s), "peer"); });
-    json_line("\"test\":\"link\",\"path\":\"via " + std::to_string(d) + "\",\"direction\":\"h2d\",\"bytes\":" +
-                  std::to_string(cal_bytes), l.via_h2d, static_cast<std::size_t>(cal_reps));
-    json_line("\"test\":\"link\",\"path\":\"via " + std::to_string(d) + "\",\"direction\":\"d2h\",\"bytes\":" +
-                  std::to_string(cal_bytes), l.via_d2h, static_cast<std::size_t>(cal_reps));
+    l.to_0 = rate(d, [&] { check(cudaMemcpyPeerAsync(target, 0, mine, d, cal_bytes, s), "peer"); });
+    l.from_0 = rate(d, [&] { check(cudaMemcpyPeerAsync(mine, d, target, 0, cal_bytes, s), "peer"); });
     json_line("\"test\":\"link\",\"path\":\"peer " + std::to_string(d) + " to 0\",\"direction\":\"d2d\",\"bytes\":" +
-                  std::to_string(cal_bytes), l.peer, static_cast<std::size_t>(cal_reps));
+                  std::to_string(cal_bytes), l.to_0, static_cast<std::size_t>(cal_reps));
+    json_line("\"test\":\"link\",\"path\":\"peer 0 to " + std::to_string(d) + "\",\"direction\":\"d2d\",\"bytes\":" +
+                  std::to_string(cal_bytes), l.from_0, static_cast<std::size_t>(cal_reps));
   }
   for (int d = 0; d < most; ++d) {
     const link_rates& l = links[static_cast<std::size_t>(d)];
@@ -225,46 +221,38 @@ int main(int argc, char** argv) {
   std::vector<row> rows;
   for (std::size_t gi = 0; gi < gpu_counts.size(); ++gi) {
     const int k = gpu_counts[gi];
-    // One copier a direction and forwarding mode, its weights the measured bandwidths.
-    auto make = [&](bool h2d, peer_forwarding forwarding) {
+    // One copier a direction, its weights from the measured bandwidths.
+    auto make = [&](bool h2d) {
       std::vector<peer_route<cuda_copy_backend>> peers;
       for (int d = 1; d < k; ++d) {
         const link_rates& l = links[static_cast<std::size_t>(d)];
-        peers.push_back({backends[static_cast<std::size_t>(d)], stream_ref{streams[static_cast<std::size_t>(d)]},
-                         h2d ? l.via_h2d.median : l.via_d2h.median});
+        const double weight =
+            h2d ? in_series(l.own_h2d.median, l.to_0.median) : in_series(l.own_d2h.median, l.from_0.median);
+        peers.push_back({backends[static_cast<std::size_t>(d)], stream_ref{streams[static_cast<std::size_t>(d)]}, weight});
       }
       multipath_options o;
       o.direct_weight = h2d ? links[0].own_h2d.median : links[0].own_d2h.median;
-      o.forwarding = forwarding;
       return std::make_unique<multipath>(backends[0], std::move(peers), cuda_pointer_classifier{}, o);
     };
-    std::unique_ptr<multipath> split_h2d = make(true, peer_forwarding::direct);
-    std::unique_ptr<multipath> split_d2h = make(false, peer_forwarding::direct);
-    std::unique_ptr<multipath> scratch_h2d = make(true, peer_forwarding::through_scratch);
-    std::unique_ptr<multipath> scratch_d2h = make(false, peer_forwarding::through_scratch);
+    std::unique_ptr<multipath> split_h2d = make(true);
+    std::unique_ptr<multipath> split_d2h = make(false);
     const stream_ref s0{streams[0]};
     for (const std::size_t mib : {64, 256, 1024, 2048, 4096, 8192}) {
       if (mib > max_mib) break;
       const std::size_t n = mib * MiB;
       const int reps = mib >= 4096 ? std::min(repeats, 5) : repeats;
-      // The bytes, once: both modes there and back through pageable memory.
-      bool ok = true;
-      for (const bool via_scratch : {false, true}) {
-        multipath& in = via_scratch ? *scratch_h2d : *split_h2d;
-        multipath& out = via_scratch ? *scratch_d2h : *split_d2h;
-        check(cudaMemsetAsync(target, 0, n, streams[0]), "memset");
-        in.copy(target, pageable, n, s0);
-        std::memset(back, 0, n);
-        out.copy(back, target, n, s0);
-        check(cudaStreamSynchronize(streams[0]), "sync");
-        ok = ok && same_bytes(back, pageable, n);
-      }
+      // The bytes, once: there and back through pageable memory.
+      check(cudaMemsetAsync(target, 0, n, streams[0]), "memset");
+      split_h2d->copy(target, pageable, n, s0);
+      std::memset(back, 0, n);
+      split_d2h->copy(back, target, n, s0);
+      check(cudaStreamSynchronize(streams[0]), "sync");
+      const bool ok = same_bytes(back, pageable, n);
       for (const bool is_pinned : {true, false}) {
         unsigned char* const mem = is_pinned ? static_cast<unsigned char*>(pinned) : pageable;
         unsigned char* const dst_host = is_pinned ? static_cast<unsigned char*>(pinned) : back;
         for (const bool h2d : {true, false}) {
           multipath& split = h2d ? *split_h2d : *split_d2h;
-          multipath& scratch = h2d ? *scratch_h2d : *scratch_d2h;
           const multipath_statistics before = split.stats();
           std::vector<method> m = {
               {"direct",
@@ -281,14 +269,11 @@ int main(int argc, char** argv) {
                },
                {}},
               {"multipath", [&] { h2d ? split.copy(target, mem, n, s0) : split.copy(dst_host, target, n, s0); }, {}},
-              {"via scratch",
-               [&] { h2d ? scratch.copy(target, mem, n, s0) : scratch.copy(dst_host, target, n, s0); },
-               {}},
           };
           measure(m, n, reps, streams[0]);
           const multipath_statistics after = split.stats();
           row r{k, n, is_pinned ? "pinned" : "pageable", h2d ? "h2d" : "d2h", summarize(m[0].rates),
-                summarize(m[1].rates), summarize(m[2].rates), {}, ok};
+                summarize(m[1].rates), {}, ok};
           std::uint64_t total = 0;
           for (std::size_t p = 0; p < after.path_bytes.size(); ++p) total += after.path_bytes[p] - before.path_bytes[p];
           for (std::size_t p = 0; p < after.path_bytes.size(); ++p) {
@@ -310,14 +295,13 @@ int main(int argc, char** argv) {
 
   // --- tables ------------------------------------------------------------------------------------
   std::printf("\n### Links, %zu MiB, GB/s: median (p10-p90)\n\n"
-              "| GPU | own link h2d | own link d2h | via it into GPU 0, h2d | via it from GPU 0, d2h | "
-              "its memory to GPU 0's |\n|---|---|---|---|---|---|\n",
+              "| GPU | own link h2d | own link d2h | its memory to GPU 0's | GPU 0's memory to its |\n"
+              "|---|---|---|---|---|\n",
               cal_bytes / MiB);
   for (int d = 0; d < most; ++d) {
     const link_rates& l = links[static_cast<std::size_t>(d)];
-    std::printf("| %d | %s | %s | %s | %s | %s |\n", d, cell(l.own_h2d).c_str(), cell(l.own_d2h).c_str(),
-                d == 0 ? "-" : cell(l.via_h2d).c_str(), d == 0 ? "-" : cell(l.via_d2h).c_str(),
-                d == 0 ? "-" : cell(l.peer).c_str());
+    std::printf("| %d | %s | %s | %s | %s |\n", d, cell(l.own_h2d).c_str(), cell(l.own_d2h).c_str(),
+                d == 0 ? "-" : cell(l.to_0).c_str(), d == 0 ? "-" : cell(l.from_0).c_str());
   }
   std::printf("\n### Every host link at once (each GPU its own %zu MiB), GB/s in total\n\n"
               "| GPUs | h2d | d2h |\n|---|---|---|\n",
@@ -328,8 +312,8 @@ int main(int argc, char** argv) {
   for (const char* hostkind : {"pinned", "pageable"}) {
     for (const char* direction : {"h2d", "d2h"}) {
       std::printf("\n### %s, %s memory, into GPU 0's memory%s, GB/s: median (p10-p90)\n\n"
-                  "| GPUs | size | direct | multipath | via scratch | multipath / direct | shares (direct, peers) | "
-                  "bytes |\n|---|---|---|---|---|---|---|---|\n",
+                  "| GPUs | size | direct | multipath | multipath / direct | shares (direct, peers) | bytes |\n"
+                  "|---|---|---|---|---|---|---|\n",
                   std::strcmp(direction, "h2d") == 0 ? "Host to device" : "Device to host", hostkind,
                   std::strcmp(direction, "h2d") == 0 ? "" : " (out of)");
       for (const row& r : rows) {
@@ -340,9 +324,8 @@ int main(int argc, char** argv) {
           std::snprintf(b, sizeof b, "%s%.2f", shares.empty() ? "" : " ", f);
           shares += b;
         }
-        std::printf("| %d | %zu MiB | %s | %s | %s | %.2fx | %s | %s |\n", r.gpus, r.bytes / MiB,
-                    cell(r.direct).c_str(), cell(r.split).c_str(), cell(r.scratch).c_str(),
-                    r.split.median / r.direct.median, shares.c_str(), r.ok ? "ok" : "WRONG");
+        std::printf("| %d | %zu MiB | %s | %s | %.2fx | %s | %s |\n", r.gpus, r.bytes / MiB, cell(r.direct).c_str(),
+                    cell(r.split).c_str(), r.split.median / r.direct.median, shares.c_str(), r.ok ? "ok" : "WRONG");
       }
     }
   }

@@ -57,9 +57,8 @@ std::vector<unsigned char> pattern(std::size_t bytes, unsigned seed) {
 }
 
 // Small chunks and scratch buffers, so that a few KiB go through every stage of every path.
-multipath_options small_options(peer_forwarding forwarding = peer_forwarding::through_scratch) {
+multipath_options small_options() {
   multipath_options o;
-  o.forwarding = forwarding;
   o.staging.chunk_bytes = 1024;
   o.staging.chunks = 3;
   o.staging.threads = 2;
@@ -74,8 +73,7 @@ multipath_options small_options(peer_forwarding forwarding = peer_forwarding::th
 struct rig {
   static constexpr std::size_t guard = 64;
   static constexpr std::size_t capacity = 64 * 1024;
-  rig(int devices, std::chrono::microseconds delay, std::size_t min_bytes = 0,
-      peer_forwarding forwarding = peer_forwarding::through_scratch)
+  rig(int devices, std::chrono::microseconds delay, std::size_t min_bytes = 0)
       : backend(0, delay), device(capacity + 2 * guard, 0x5A), pinned(capacity) {
     classifier.add(dev(), capacity, memory_kind::device, 0);
     classifier.add(pinned.data(), pinned.size(), memory_kind::pinned);
@@ -83,7 +81,7 @@ struct rig {
     for (int d = 1; d < devices; ++d) {
       peers.push_back({backend.on_device(d), stream_ref{static_cast<std::uintptr_t>(1000 + d)}, 1.0, min_bytes});
     }
-    copier = std::make_unique<host_multipath>(backend, peers, classifier, small_options(forwarding));
+    copier = std::make_unique<host_multipath>(backend, peers, classifier, small_options());
   }
   unsigned char* dev() { return device.data() + guard; }
   bool guards_intact() const {
@@ -218,15 +216,10 @@ TEST_CASE("plan_copy edge cases") {
   }
 }
 
-constexpr peer_forwarding forwardings[] = {peer_forwarding::through_scratch, peer_forwarding::direct};
-
 TEST_CASE("multipath_copier copies both ways through 1, 2, 4 and 8 devices, for every size") {
-  for (const peer_forwarding forwarding : forwardings)
   for (const int devices : {1, 2, 4, 8}) {
-    const bool scratch = forwarding == peer_forwarding::through_scratch;
-    CAPTURE(scratch);
     CAPTURE(devices);
-    rig r(devices, 20us, 0, forwarding);
+    rig r(devices, 20us);
     const stream_ref stream{std::uintptr_t{7}};
     for (const std::size_t n : sizes) {
       CAPTURE(n);
@@ -256,13 +249,11 @@ TEST_CASE("multipath_copier copies both ways through 1, 2, 4 and 8 devices, for 
       CHECK(r.backend.peer_copies() == 0);
     } else {
       CHECK(s.split_copies > 0);
-      // Through scratch: peer copies forward each piece. Direct: the peers' own copies reach the
-      // target, no peer copy, no scratch buffer.
-      CHECK((r.backend.peer_copies() > 0) == scratch);
+      CHECK(r.backend.peer_copies() > 0);
       for (int d = 0; d < devices; ++d) CHECK(s.path_bytes[static_cast<std::size_t>(d)] > 0);
     }
     CHECK(r.backend.source_changes() == 0);
-    CHECK(r.backend.live_device() <= (scratch ? static_cast<std::size_t>(devices - 1) : 0u));
+    CHECK(r.backend.live_device() <= static_cast<std::size_t>(devices - 1));
     r.copier.reset();
     CHECK(r.backend.live_device() == 0);
     CHECK(r.backend.live_staging() == 0);
@@ -290,11 +281,9 @@ TEST_CASE("multipath_copier leaves a peer out when its share is under its minimu
 }
 
 TEST_CASE("multipath_copier is ordered on the caller's stream") {
-  for (const peer_forwarding forwarding : forwardings)
   for (const int devices : {2, 8}) {
-    CAPTURE(forwarding == peer_forwarding::direct);
     CAPTURE(devices);
-    rig r(devices, 200us, 0, forwarding);
+    rig r(devices, 200us);
     const stream_ref stream{std::uintptr_t{9}};
     const std::size_t n = 30 * 1024 + 5;
     unsigned char* const dev = r.dev();
@@ -353,108 +342,100 @@ TEST_CASE("multipath_copier refuses misuse") {
 }
 
 TEST_CASE("multipath_copier survives a driver failure at every call, leaking no staging or scratch") {
-  for (const peer_forwarding forwarding : forwardings) {
-    const bool scratch = forwarding == peer_forwarding::through_scratch;
-    CAPTURE(scratch);
-    host_dma_backend backend(0, 20us);
-    range_classifier classifier;
-    std::vector<unsigned char> device(64 * 1024);
-    classifier.add(device.data(), device.size(), memory_kind::device, 0);
-    auto faults = std::make_shared<testing::copy_faults>();
-    constexpr int devices = 4;
-    const std::size_t n = 24 * 1024 + 9;  // 6 KiB a path, 3 pieces a peer, 6 chunks each
-    const std::vector<unsigned char> a = pattern(n, 8);
-    const std::vector<unsigned char> b = pattern(n, 9);
-    const stream_ref stream{std::uintptr_t{12}};
-    std::uint64_t failures = 0;
-    bool peer_copy_failed = false, stream_wait_failed = false, scratch_failed = false;
-    for (std::uint64_t k = 1;; ++k) {
-      CAPTURE(k);
-      bool faulted = false;
-      {
-        std::vector<peer_route<testing::faulty_copy_backend>> peers;
-        for (int d = 1; d < devices; ++d) {
-          peers.push_back({testing::faulty_copy_backend(backend.on_device(d), faults),
-                           stream_ref{static_cast<std::uintptr_t>(2000 + d)}, 1.0, 0});
-        }
-        faulty_multipath copier(testing::faulty_copy_backend(backend, faults), peers, classifier,
-                                small_options(forwarding));
-        faults->fail_nth_call(k);
-        try {
-          copier.copy(device.data(), a.data(), n, stream);
-          std::vector<unsigned char> back(n);
-          copier.copy(back.data(), device.data(), n, stream);
-          backend.wait_stream(stream);
-          CHECK(back == a);
-        } catch (const driver_error& e) {
-          faulted = true;
-          const std::string what = e.what();
-          CHECK(what.find("injected") != std::string::npos);
-          peer_copy_failed = peer_copy_failed || what.find("enqueue_peer_copy") != std::string::npos;
-          stream_wait_failed = stream_wait_failed || what.find("stream_wait_event") != std::string::npos;
-        } catch (const out_of_memory& e) {
-          faulted = true;
-          const std::string what = e.what();
-          scratch_failed = scratch_failed || what.find("scratch buffer") != std::string::npos;
-          CHECK((what.find("pinned staging buffer") != std::string::npos ||
-                 what.find("scratch buffer") != std::string::npos));
-        }
-        faults->never_fail();
-        // At most one scratch buffer a peer; at most a ring of staging buffers a path.
-        CHECK(backend.live_device() <= (scratch ? devices - 1 : 0));
-        CHECK(backend.live_staging() <= devices * 3);
-        // Still usable: both directions, the bytes right.
-        copier.copy(device.data(), b.data(), n, stream);
+  host_dma_backend backend(0, 20us);
+  range_classifier classifier;
+  std::vector<unsigned char> device(64 * 1024);
+  classifier.add(device.data(), device.size(), memory_kind::device, 0);
+  auto faults = std::make_shared<testing::copy_faults>();
+  constexpr int devices = 4;
+  const std::size_t n = 24 * 1024 + 9;  // 6 KiB a path, 3 pieces a peer, 6 chunks each
+  const std::vector<unsigned char> a = pattern(n, 8);
+  const std::vector<unsigned char> b = pattern(n, 9);
+  const stream_ref stream{std::uintptr_t{12}};
+  std::uint64_t failures = 0;
+  bool peer_copy_failed = false, stream_wait_failed = false, scratch_failed = false;
+  for (std::uint64_t k = 1;; ++k) {
+    CAPTURE(k);
+    bool faulted = false;
+    {
+      std::vector<peer_route<testing::faulty_copy_backend>> peers;
+      for (int d = 1; d < devices; ++d) {
+        peers.push_back({testing::faulty_copy_backend(backend.on_device(d), faults),
+                         stream_ref{static_cast<std::uintptr_t>(2000 + d)}, 1.0, 0});
+      }
+      faulty_multipath copier(testing::faulty_copy_backend(backend, faults), peers, classifier, small_options());
+      faults->fail_nth_call(k);
+      try {
+        copier.copy(device.data(), a.data(), n, stream);
         std::vector<unsigned char> back(n);
         copier.copy(back.data(), device.data(), n, stream);
         backend.wait_stream(stream);
-        CHECK(back == b);
-        CHECK(copier.stats().split_copies >= 2);
+        CHECK(back == a);
+      } catch (const driver_error& e) {
+        faulted = true;
+        const std::string what = e.what();
+        CHECK(what.find("injected") != std::string::npos);
+        peer_copy_failed = peer_copy_failed || what.find("enqueue_peer_copy") != std::string::npos;
+        stream_wait_failed = stream_wait_failed || what.find("stream_wait_event") != std::string::npos;
+      } catch (const out_of_memory& e) {
+        faulted = true;
+        const std::string what = e.what();
+        scratch_failed = scratch_failed || what.find("scratch buffer") != std::string::npos;
+        CHECK((what.find("pinned staging buffer") != std::string::npos ||
+               what.find("scratch buffer") != std::string::npos));
       }
-      CHECK(backend.live_device() == 0);
-      CHECK(backend.live_staging() == 0);
-      CHECK(backend.live_events() == 0);
-      CHECK(backend.source_changes() == 0);
-      if (!faulted) break;
-      ++failures;
-      REQUIRE(k < 3000);
+      faults->never_fail();
+      // At most one scratch buffer a peer; at most a ring of staging buffers a path.
+      CHECK(backend.live_device() <= devices - 1);
+      CHECK(backend.live_staging() <= devices * 3);
+      // Still usable: both directions, the bytes right.
+      copier.copy(device.data(), b.data(), n, stream);
+      std::vector<unsigned char> back(n);
+      copier.copy(back.data(), device.data(), n, stream);
+      backend.wait_stream(stream);
+      CHECK(back == b);
+      CHECK(copier.stats().split_copies >= 2);
     }
-    CHECK(failures == faults->faults());
-    CHECK(failures >= 50);  // four paths, each with chunks, pieces and events: many calls to fail
-    CHECK(peer_copy_failed == scratch);
-    CHECK(stream_wait_failed);
-    CHECK(scratch_failed == scratch);
+    CHECK(backend.live_device() == 0);
+    CHECK(backend.live_staging() == 0);
+    CHECK(backend.live_events() == 0);
+    CHECK(backend.source_changes() == 0);
+    if (!faulted) break;
+    ++failures;
+    REQUIRE(k < 3000);
   }
+  CHECK(failures == faults->faults());
+  CHECK(failures >= 50);  // four paths, each with chunks, pieces and events: many calls to fail
+  CHECK(peer_copy_failed);
+  CHECK(stream_wait_failed);
+  CHECK(scratch_failed);
 }
 
 TEST_CASE("threads: several threads copy through one multipath_copier at once") {
-  for (const peer_forwarding forwarding : forwardings) {
-    CAPTURE(forwarding == peer_forwarding::direct);
-    rig r(4, 10us, 0, forwarding);
-    constexpr int threads = 4;
-    constexpr std::size_t region = rig::capacity / threads;
-    std::vector<int> bad(threads, 0);
-    std::vector<std::thread> workers;
-    for (int t = 0; t < threads; ++t) {
-      workers.emplace_back([&, t] {
-        const stream_ref stream{static_cast<std::uintptr_t>(100 + t)};
-        unsigned char* const dev = r.dev() + static_cast<std::size_t>(t) * region;
-        std::mt19937 rng(static_cast<unsigned>(t));
-        for (int round = 0; round < 8; ++round) {
-          const std::size_t n = 1 + rng() % region;
-          const std::vector<unsigned char> a = pattern(n, static_cast<unsigned>(100 * t + round));
-          r.copier->copy(dev, a.data(), n, stream);
-          std::vector<unsigned char> back(n);
-          r.copier->copy(back.data(), dev, n, stream);
-          if (back != a) ++bad[t];
-        }
-      });
-    }
-    for (std::thread& w : workers) w.join();
-    for (int t = 0; t < threads; ++t) CHECK(bad[t] == 0);
-    CHECK(r.copier->stats().copies == 2 * threads * 8);
-    CHECK(r.copier->stats().split_copies > 0);
-    CHECK(r.backend.source_changes() == 0);
-    CHECK(r.guards_intact());
+  rig r(4, 10us);
+  constexpr int threads = 4;
+  constexpr std::size_t region = rig::capacity / threads;
+  std::vector<int> bad(threads, 0);
+  std::vector<std::thread> workers;
+  for (int t = 0; t < threads; ++t) {
+    workers.emplace_back([&, t] {
+      const stream_ref stream{static_cast<std::uintptr_t>(100 + t)};
+      unsigned char* const dev = r.dev() + static_cast<std::size_t>(t) * region;
+      std::mt19937 rng(static_cast<unsigned>(t));
+      for (int round = 0; round < 8; ++round) {
+        const std::size_t n = 1 + rng() % region;
+        const std::vector<unsigned char> a = pattern(n, static_cast<unsigned>(100 * t + round));
+        r.copier->copy(dev, a.data(), n, stream);
+        std::vector<unsigned char> back(n);
+        r.copier->copy(back.data(), dev, n, stream);
+        if (back != a) ++bad[t];
+      }
+    });
   }
+  for (std::thread& w : workers) w.join();
+  for (int t = 0; t < threads; ++t) CHECK(bad[t] == 0);
+  CHECK(r.copier->stats().copies == 2 * threads * 8);
+  CHECK(r.copier->stats().split_copies > 0);
+  CHECK(r.backend.source_changes() == 0);
+  CHECK(r.guards_intact());
 }

@@ -232,7 +232,7 @@ TEST_CASE("gpu: staged_copier refuses device memory of another device") {
   CHECK(copier.stats().staged_copies + copier.stats().direct_copies == 0);
 }
 
-TEST_CASE("gpu: multipath_copier splits copies into device 0 over every peer, both forwarding modes") {
+TEST_CASE("gpu: multipath_copier splits copies into device 0 over every peer") {
   int devices = 0;
   REQUIRE(cudaGetDeviceCount(&devices) == cudaSuccess);
   if (devices < 2) {
@@ -258,15 +258,13 @@ TEST_CASE("gpu: multipath_copier splits copies into device 0 over every peer, bo
   device_buffer dev(n);
   std::vector<unsigned char> host(n), back(n);
   host_fill(host.data(), n, 11);
-  for (const peer_forwarding forwarding : {peer_forwarding::direct, peer_forwarding::through_scratch}) {
-    CAPTURE(forwarding == peer_forwarding::direct);
+  {
     std::vector<peer_route<cuda_copy_backend>> peers;
     for (int d = 1; d < devices; ++d) {
       peers.push_back({backends[static_cast<std::size_t>(d)], stream_ref{streams[static_cast<std::size_t>(d)]}, 1.0,
                        4 * MiB});
     }
     multipath_options o;
-    o.forwarding = forwarding;
     o.scratch_bytes = 16 * MiB;  // a peer's share in several pieces
     cuda_multipath copier(backends[0], peers, cuda_pointer_classifier{}, o);
     stream_holder s;

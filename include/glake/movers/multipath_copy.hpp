@@ -34,27 +34,13 @@ struct peer_route {
   std::size_t min_bytes = 64 * MiB;
 };
 
-/// How a peer path moves its share between host memory and the target's memory.
-enum class peer_forwarding : unsigned char {
-  /// The peer's copy engine copies straight between host memory and the target's memory: it reads
-  /// (or writes) the host over the peer's own host link and the target over the peer link. One
-  /// copy, no scratch memory; needs peer access between the two devices (cuda_enable_peer_access),
-  /// without which the driver moves the bytes some slower way.
-  direct,
-  /// Through a scratch buffer in the peer's memory: host to scratch on the peer's link, then
-  /// scratch to target by a peer copy, in pieces of scratch_bytes on the peer's stream (so a
-  /// piece's two copies take turns).
-  through_scratch,
-};
-
 /// The shape of a multipath_copier.
 struct multipath_options {
   staged_copy_options staging{};      ///< every path's staged_copier
   double direct_weight = 1.0;         ///< the target's own link, in the unit of the peers' weights
   std::size_t alignment = 2 * MiB;    ///< every share but the last starts and ends on a multiple
   std::size_t scratch_bytes = 64 * MiB;  ///< each peer's buffer in its memory; its share passes in
-                                         ///< pieces of this size (peer_forwarding::through_scratch)
-  peer_forwarding forwarding = peer_forwarding::direct;
+                                         ///< pieces of this size
 };
 
 /// What a multipath_copier did, since it was made.
@@ -66,23 +52,18 @@ struct multipath_statistics {
 
 namespace detail {
 // The classifier a path's staged_copier asks: the user's, except that the path's scratch buffer
-// (made by the multipath_copier, unknown to the user's classifier) is its device's memory, and,
-// for a peer path forwarding directly, the target's memory counts as the path's device's memory
-// too: the peer's copy engine reaches it over the peer link.
+// (made by the multipath_copier, unknown to the user's classifier) is its device's memory.
 template <class Classifier>
 struct scratch_aware_classifier {
   Classifier* inner = nullptr;
   int device = -1;
   const void* scratch = nullptr;
   std::size_t scratch_bytes = 0;
-  int reached = -1;  ///< a device whose memory this path's copies reach as their own; -1: none
   pointer_info locate(const void* p) {
     const auto a = reinterpret_cast<std::uintptr_t>(p);
     const auto s = reinterpret_cast<std::uintptr_t>(scratch);
     if (scratch != nullptr && a - s < scratch_bytes) return {memory_kind::device, device};
-    pointer_info info = inner->locate(p);
-    if (reached >= 0 && info.kind == memory_kind::device && info.device == reached) info.device = device;
-    return info;
+    return inner->locate(p);
   }
 };
 }  // namespace detail
@@ -93,18 +74,14 @@ struct scratch_aware_classifier {
 // copy(dst, src, n, stream) copies n bytes between host memory and the target device's memory,
 // ordered on `stream` (a stream of the target device). plan_copy splits [0, n) among the paths:
 // the direct one (the target's own link) and one per peer_route. The direct share goes through a
-// staged_copier on `stream` (one device copy when the host side is pinned). A peer's share goes
-// through the peer's own staged_copier on the peer's stream, after that stream waited for an event
-// recorded on `stream` when copy was called (the work queued there earlier runs first). With
-// peer_forwarding::direct (the default) the peer's copies go straight between the host and the
-// target's memory: the peer's copy engine reads the host over its own link and writes the target
-// over the peer link (device to host, the mirror), one pipeline, no scratch memory. With
-// peer_forwarding::through_scratch, host to device, the share is cut into pieces of at most
-// scratch_bytes; each piece is copied from the host into the peer's scratch buffer by the
-// peer's staged_copier, then from the scratch buffer to the target by a peer copy on the same
-// stream, so the next piece waits for the previous forward to have read the scratch buffer.
-// Device to host is the mirror: peer copy into the scratch buffer, then the peer's
-// staged_copier drains it to the host. Peer shares run on threads of their own (the
+// staged_copier on `stream` (one device copy when the host side is pinned). Host to device, a
+// peer's share is cut into pieces of at most scratch_bytes; each piece is copied from the host
+// into the peer's scratch buffer by the peer's own staged_copier on the peer's stream, then from
+// the scratch buffer to the target by a peer copy on the same stream, so the next piece waits
+// for the previous forward to have read the scratch buffer. Before its first peer copy the peer
+// stream waits for an event recorded on `stream` when copy was called, so the work queued there
+// earlier runs first. Device to host is the mirror: peer copy into the scratch buffer, then the
+// peer's staged_copier drains it to the host. Peer shares run on threads of their own (the
 // direct share on the calling thread), so every link is busy at once. At the end `stream` waits
 // for an event recorded on each peer stream used: work queued there afterwards sees the data
 // (host to device) or may overwrite the source (device to host).
@@ -153,9 +130,9 @@ class multipath_copier {
     direct_ = std::make_unique<path_copier>(target, path_classifier{&classifier_, target.device()}, options_.staging);
     for (peer_route<Backend>& p : peers) {
       const int device = p.backend.device();
-      path_classifier c{&classifier_, device};
-      if (options_.forwarding == peer_forwarding::direct) c.reached = target.device();
-      peers_.push_back(peer_state{p.backend, p.stream, std::make_unique<path_copier>(p.backend, c, options_.staging)});
+      peers_.push_back(peer_state{p.backend, p.stream,
+                                  std::make_unique<path_copier>(p.backend, path_classifier{&classifier_, device},
+                                                                options_.staging)});
     }
     path_bytes_.assign(paths_.size(), 0);
   }
@@ -246,13 +223,6 @@ class multipath_copier {
   // One peer's share [offset, offset + bytes), in pieces through its scratch buffer.
   void run_peer(peer_state& p, char* dst, const char* src, std::size_t offset, std::size_t bytes, bool to_device,
                 event_type start) {
-    if (options_.forwarding == peer_forwarding::direct) {
-      // One copy on the peer's stream, after the caller's earlier work: the peer's engine moves
-      // the share between the host and the target's memory.
-      p.backend.stream_wait_event(p.stream, start);
-      p.copier->copy(dst + offset, src + offset, bytes, p.stream);
-      return;
-    }
     make_scratch(p);
     const int target = target_.device();
     const int peer = p.backend.device();
