@@ -687,7 +687,7 @@ TEST_CASE("threads: of two workloads that each pin part of what the other needs,
     a.will_use({a1, a2});
     a_done = true;
   });
-  const bool a_waits = wait_for(1) == 1;
+  const bool a_waits = wait_for(1) >= 1;
   // b's next operation needs b1 and 3G more: it waits too, behind a, and a may take b1.
   std::thread second([&] {
     b.will_use({b1, b2});
@@ -698,7 +698,7 @@ TEST_CASE("threads: of two workloads that each pin part of what the other needs,
   CHECK(a.residence_of(a1) == residence::device);
   CHECK(a.residence_of(a2) == residence::device);
   CHECK(b.residence_of(b1) == residence::host);  // taken from b, the younger waiter
-  const bool b_waits = wait_for(2) == 2;
+  const bool b_waits = wait_for(2) >= 2;  // b may wait more than once (for b2, then for b1)
   std::this_thread::sleep_for(5ms);
   const bool b_early = b_done.load();  // a still pins 6G of 8G
   a.idle();
@@ -742,6 +742,58 @@ TEST_CASE("threads: two workloads on their own threads stay within the shared bu
   CHECK(broken.load() == 0);
   CHECK(ops.load() == 6 * 8 + 6 * 4);
   CHECK(budget.stats().peak_used <= budget_bytes);
+  CHECK(budget.stats().timeouts == 0);
+  CHECK(world.gpu.violations() == 0);
+}
+
+TEST_CASE("threads: workloads arrive and leave while another runs") {
+  sim_world world;
+  const std::size_t budget_bytes = 20 * G;
+  shared_budget budget(budget_bytes);
+  workload<sim_planned> a(budget, "a", planned_policy(test_link));
+  make_sweep(a, world, {4 * G, 2 * G, 3 * G, 4 * G, 2 * G, 4 * G, 3 * G, 2 * G});
+  std::atomic<int> broken{0};
+  std::atomic<bool> stop{false};
+  std::thread runner([&] {
+    const auto check = [&](const std::vector<allocation_id>& use) {
+      for (allocation_id id : use) {
+        if (world.buffers[id]->residence_of(0) != residence::device) ++broken;
+      }
+      if (budget.used() > budget_bytes) ++broken;
+    };
+    int iterations = 0;
+    while (!stop.load() || iterations < 3) {
+      a.run_iteration(check);
+      ++iterations;
+    }
+  });
+  // Visitors, one after another: each arrives with 12G on the device, runs, and leaves; its
+  // memory goes with it (buffers made and destroyed here, outside the shared world).
+  for (int v = 0; v < 4; ++v) {
+    std::vector<std::unique_ptr<sim_buffer>> memory;
+    for (int i = 0; i < 3; ++i) {
+      memory.push_back(std::make_unique<sim_buffer>(sim_provider(world.gpu), sim_host_provider(world.gpu),
+                                                    sim_reserver(world.gpu), sim_copier(world.gpu), 4 * G, 4 * G));
+      memory.back()->commit(0, 4 * G);
+    }
+    workload_scheduler<sim_buffer, lru_policy> visitor(budget, "visitor " + std::to_string(v), lru_policy{});
+    std::vector<allocation_id> ids;
+    for (auto& m : memory) ids.push_back(visitor.manage(*m));
+    for (int iteration = 0; iteration < 3; ++iteration) {
+      visitor.iteration_begin();
+      for (std::size_t k = 0; k < ids.size(); ++k) {
+        visitor.will_use({ids[k], ids[(k + 1) % ids.size()]});
+        if (memory[k]->residence_of(0) != residence::device) ++broken;
+        if (budget.used() > budget_bytes) ++broken;
+      }
+    }
+    CHECK(budget.snapshot().size() == 2);
+  }
+  stop = true;
+  runner.join();
+  CHECK(broken.load() == 0);
+  CHECK(budget.snapshot().size() == 1);
+  CHECK(budget.used() == a.scheduler.stats().device_bytes);
   CHECK(budget.stats().timeouts == 0);
   CHECK(world.gpu.violations() == 0);
 }

@@ -102,6 +102,8 @@ struct budget_statistics {
 // try-locks members).
 // Transport: the ledger's requests and replies are plain values; a coordinator serving several
 // processes keeps a budget_ledger and does this class's loop with messages instead of calls.
+// Lifetime: it must outlive every workload that joined it (a workload_scheduler leaves in its
+// destructor).
 // ---------------------------------------------------------------------------------------------
 class shared_budget {
  public:

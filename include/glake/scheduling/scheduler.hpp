@@ -81,7 +81,10 @@ struct scheduler_statistics {
 // Streams: every move is queued on options.stream. Work on other streams that uses managed memory
 // must be recorded on it (tiered_memory::record_stream) so that an offload waits for it.
 // Lifetime: managed memory must outlive the scheduler or be unmanaged first; the scheduler's
-// share of the budget goes back when it is destroyed, wherever its memory then is.
+// share of the budget goes back when it is destroyed (or an allocation is unmanaged), wherever
+// its memory then is: free it, or move it out first, or the device holds more than the budget
+// says. Likewise memory handed to manage while on the device is there before the budget grants
+// it (manage may move other memory out, or wait, to make the accounts right).
 // ---------------------------------------------------------------------------------------------
 template <tiered_memory Memory, swap_policy Policy = lru_policy, schedule_clock Clock = std::chrono::steady_clock>
 class workload_scheduler final : public budget_member {
@@ -254,8 +257,7 @@ class workload_scheduler final : public budget_member {
   /// Where the scheduler keeps `id` now: device or host.
   residence residence_of(allocation_id id) const {
     std::lock_guard lock(mutex_);
-    return const_cast<workload_scheduler*>(this)->live(id, "residence_of").on_device ? residence::device
-                                                                                       : residence::host;
+    return live(id, "residence_of").on_device ? residence::device : residence::host;
   }
 
   scheduler_statistics stats() const {
@@ -310,6 +312,9 @@ class workload_scheduler final : public budget_member {
 
   // Under mutex_.
   slot& live(allocation_id id, const char* what) {
+    return const_cast<slot&>(std::as_const(*this).live(id, what));
+  }
+  const slot& live(allocation_id id, const char* what) const {
     if (id >= slots_.size() || !slots_[id].alive) {
       throw usage_error(usage_error::kind::foreign_pointer, "glake::workload_scheduler '" + name_ + "'::" + what +
                                                                 ": allocation " + std::to_string(id) +
