@@ -276,6 +276,16 @@ TEST_CASE("planned_policy: next use follows the plan (Belady), and a changed seq
   p.use(c, 120us);
   CHECK(p.following());
   CHECK(p.next_use(0, 120us) == never_used);  // the new plan never uses a
+
+  // An iteration without operations (a warm-up, an evaluation pass) is not made the plan.
+  p.use(b, 130us);
+  p.use(c, 140us);
+  p.use(b, 150us);
+  p.iteration_begin(160us);
+  p.iteration_begin(170us);
+  CHECK(p.plans_built() == 2);
+  p.use(c, 170us);
+  CHECK(p.following());
 }
 
 // ------------------------------------------------------------------------------------------

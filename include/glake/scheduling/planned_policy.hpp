@@ -63,7 +63,8 @@ class planned_policy {
       current_.finish(t - begin_);
       if (planned() && !diverged_ && cursor_ + 1 != static_cast<std::int64_t>(plan_.size())) diverge();
       ++seen_;
-      if ((!planned() && seen_ >= record_iterations_) || diverged_) build_plan();
+      // An iteration without operations plans nothing (a warm-up, an evaluation pass).
+      if (((!planned() && seen_ >= record_iterations_) || diverged_) && !current_.empty()) build_plan();
     }
     current_.clear();
     begin_ = t;
