@@ -486,7 +486,9 @@ TEST_CASE("workload_scheduler: workloads arriving and leaving change who gives u
 
   // a's sequence changes (its operations now run backwards): it is followed again after one
   // iteration.
-  const auto plans = [&] { return a.scheduler.inspect_policy([](const planned_policy& p) { return p.plans_built(); }); };
+  const auto plans = [&] {
+    return a.scheduler.inspect_policy([](const planned_policy& p) { return p.plans_built(); });
+  };
   const std::uint64_t plans_before = plans();
   std::reverse(a.ops.begin(), a.ops.end());
   a.run_iteration(check);

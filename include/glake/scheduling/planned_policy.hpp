@@ -99,8 +99,9 @@ class planned_policy {
       const std::vector<std::uint32_t>& uses = uses_[id];
       if (uses.empty()) return never_used;
       const schedule_time now = cursor_ < 0 ? schedule_time::zero() : plan_[static_cast<std::size_t>(cursor_)].at;
-      const auto after = std::upper_bound(uses.begin(), uses.end(), cursor_,
-                                          [](std::int64_t c, std::uint32_t u) { return c < static_cast<std::int64_t>(u); });
+      const auto after = std::upper_bound(uses.begin(), uses.end(), cursor_, [](std::int64_t c, std::uint32_t u) {
+        return c < static_cast<std::int64_t>(u);
+      });
       if (after != uses.end()) return plan_[*after].at - now;
       return plan_.duration() - now + plan_[uses.front()].at;
     }
@@ -141,7 +142,8 @@ class planned_policy {
   // Position i of the plan, or of the iteration before it for i < 0.
   schedule_time time_at(std::int64_t i) const noexcept {
     const std::int64_t m = static_cast<std::int64_t>(plan_.size());
-    return i >= 0 ? plan_[static_cast<std::size_t>(i)].at : plan_[static_cast<std::size_t>(i + m)].at - plan_.duration();
+    if (i >= 0) return plan_[static_cast<std::size_t>(i)].at;
+    return plan_[static_cast<std::size_t>(i + m)].at - plan_.duration();
   }
 
   void build_plan() {
@@ -162,7 +164,8 @@ class planned_policy {
       const schedule_time cost = model_.cost(id < bytes_.size() ? bytes_[id] : 0);
       for (std::size_t j = 0; j < uses.size(); ++j) {
         const std::int64_t u = uses[j];
-        const std::int64_t previous = j > 0 ? std::int64_t{uses[j - 1]} : std::int64_t{uses.back()} - static_cast<std::int64_t>(m);
+        const std::int64_t previous =
+            j > 0 ? std::int64_t{uses[j - 1]} : std::int64_t{uses.back()} - static_cast<std::int64_t>(m);
         if (previous + 1 >= u) continue;  // used by adjacent operations: it stays
         // The latest i in (previous, u) with time(u) - time(i) >= cost; times grow with i.
         const schedule_time latest_start = time_at(u) - cost;

@@ -103,7 +103,11 @@ class workload_scheduler final : public budget_member {
   /// Joins `budget` as `name`. The policy and the clock are the scheduler's own.
   workload_scheduler(shared_budget& budget, std::string name, Policy policy = Policy{},
                      scheduler_options options = {}, Clock clock = Clock{})
-      : budget_(budget), name_(std::move(name)), policy_(std::move(policy)), options_(options), clock_(std::move(clock)) {
+      : budget_(budget),
+        name_(std::move(name)),
+        policy_(std::move(policy)),
+        options_(options),
+        clock_(std::move(clock)) {
     id_ = budget_.join(name_, *this);
   }
   workload_scheduler(const workload_scheduler&) = delete;
@@ -240,7 +244,9 @@ class workload_scheduler final : public budget_member {
     if constexpr (prefetching_policy<Policy>) prefetch_due();
     budget_.changed();  // the previous operation's memory may move now
   }
-  void will_use(std::initializer_list<allocation_id> ids) { will_use(std::span<const allocation_id>(ids.begin(), ids.size())); }
+  void will_use(std::initializer_list<allocation_id> ids) {
+    will_use(std::span<const allocation_id>(ids.begin(), ids.size()));
+  }
   void will_use(allocation_id id) { will_use(std::span<const allocation_id>(&id, 1)); }
   void will_use(const void* p) { will_use(find(p)); }
 
