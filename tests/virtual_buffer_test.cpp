@@ -171,6 +171,51 @@ TEST_CASE_TEMPLATE("tiered_memory: misuse is refused and moves nothing", F, host
   CHECK_THROWS_AS(f.make(0, G), usage_error);
 }
 
+TEST_CASE_TEMPLATE("virtual_buffer: a move on a stream capturing a graph is refused and changes nothing", F,
+                   sim_fixture, evented_fixture) {
+  static_assert(capture_aware_reserver<sim_reserver> && capture_aware_reserver<testing::evented_reserver>);
+  F f;
+  auto buffer = f.make(8 * G, 2 * G);
+  buffer->commit(0, 6 * G);
+  buffer->offload(4 * G, 2 * G);  // piece 2 on the host
+  f.settle();
+  const stream_ref capture{std::uintptr_t{0x77}};
+  const stream_ref other{std::uintptr_t{0x78}};
+  f.gpu.begin_capture(capture);
+  const auto before = buffer->stats();
+  const std::size_t device_before = f.device_bytes(), host_before = f.host_bytes();
+  const auto refused = [&](auto&& move, const char* what) {
+    try {
+      move();
+      FAIL(what << " on a capturing stream must throw");
+    } catch (const usage_error& e) {
+      CHECK(std::string(e.what()).find("capturing a graph") != std::string::npos);
+      CHECK(std::string(e.what()).find("0x77") != std::string::npos);
+      CHECK(std::string(e.what()).find(what) != std::string::npos);
+    }
+  };
+  refused([&] { buffer->offload(0, 2 * G, capture); }, "offload");
+  refused([&] { buffer->prefetch(4 * G, 2 * G, capture); }, "prefetch");
+  refused([&] { buffer->decommit(0, 2 * G, capture); }, "decommit");
+  // A stream given to record_stream that captures blocks moves on any stream.
+  buffer->record_stream(capture);
+  refused([&] { buffer->offload(0, 2 * G, other); }, "offload");
+  CHECK(buffer->residence_of(0) == residence::device);
+  CHECK(buffer->residence_of(4 * G) == residence::host);
+  CHECK(buffer->stats().offloads == before.offloads);
+  CHECK(buffer->stats().device_bytes == before.device_bytes);
+  CHECK(f.device_bytes() == device_before);
+  CHECK(f.host_bytes() == host_before);
+  // Once the capture ended, the same moves run.
+  f.gpu.end_capture(capture);
+  buffer->offload(0, 2 * G, other);
+  buffer->prefetch(4 * G, 2 * G, other);
+  f.settle();
+  CHECK(buffer->residence_of(0) == residence::host);
+  CHECK(buffer->residence_of(4 * G) == residence::device);
+  CHECK(f.sound());
+}
+
 TEST_CASE_TEMPLATE("tiered_memory: running out of memory leaves everything where it was", F, host_fixture,
                    sim_fixture) {
   F f;

@@ -184,3 +184,27 @@ TEST_CASE("gpu: virtual_buffer refuses an offload it cannot back and leaves the 
   CHECK(buffer.residence_of(0) == residence::device);
   CHECK(mismatches(buffer.data(), 4 * M, 5) == 0);
 }
+
+TEST_CASE("gpu: virtual_buffer refuses to move memory on a stream capturing a graph") {
+  REQUIRE(cudaFree(nullptr) == cudaSuccess);
+  cuda_buffer buffer = make_buffer(64 * M, 32 * M);
+  buffer.commit(0, buffer.size());
+  buffer.offload(32 * M, 32 * M);  // the second piece on the host
+  cudaStream_t stream = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  CHECK_THROWS_AS(buffer.offload(0, 32 * M, stream_ref{stream}), usage_error);
+  CHECK_THROWS_AS(buffer.prefetch(32 * M, 32 * M, stream_ref{stream}), usage_error);
+  cudaGraph_t graph = nullptr;
+  // The refusals queued nothing: the capture ends valid, and empty.
+  REQUIRE(cudaStreamEndCapture(stream, &graph) == cudaSuccess);
+  std::size_t nodes = 1;
+  CHECK(cudaGraphGetNodes(graph, nullptr, &nodes) == cudaSuccess);
+  CHECK(nodes == 0);
+  (void)cudaGraphDestroy(graph);
+  CHECK(buffer.residence_of(0) == residence::device);
+  CHECK(buffer.residence_of(32 * M) == residence::host);
+  buffer.offload(0, 32 * M, stream_ref{stream});  // after the capture, the same move runs
+  CHECK(buffer.residence_of(0) == residence::host);
+  REQUIRE(cudaStreamDestroy(stream) == cudaSuccess);
+}

@@ -159,6 +159,25 @@ concept stream_ordered_reserver =
     };
 
 // ---------------------------------------------------------------------------------------------
+// capture_aware_reserver (optional refinement)
+//
+// A reserver whose streams may be capturing work into a graph (CUDA stream capture) says so.
+// Work queued on a capturing stream is recorded, not run, and waiting for it is not allowed; a
+// mover that remaps memory now and queues copies on a stream must refuse such a stream instead
+// of recording its copies into someone's graph.
+//
+// | expression            | returns | throws       | meaning
+// |-----------------------|---------|--------------|-------------------------------------------
+// | r.is_capturing(s)     | bool    | driver_error | work queued on s now is being captured
+//
+// Models: cuda_reserver (cuStreamIsCapturing), sim_reserver (sim_device::begin_capture).
+// ---------------------------------------------------------------------------------------------
+template <class R>
+concept capture_aware_reserver = address_reserver<R> && requires(const R& r, stream_ref stream) {
+  { r.is_capturing(stream) } -> std::same_as<bool>;
+};
+
+// ---------------------------------------------------------------------------------------------
 // byte_copier
 //
 // Copies bytes between two accessible mapped ranges of one backend, ordered on a stream: the

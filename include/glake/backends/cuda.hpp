@@ -320,6 +320,17 @@ class cuda_reserver {
   void wait_event(event_type event) noexcept { (void)cuEventSynchronize(event); }
   void synchronize_device() noexcept { (void)cuCtxSynchronize(); }
 
+  // --- capture_aware_reserver ---
+  /// Whether `stream` is capturing a graph. The legacy default stream, while another stream
+  /// captures in global mode, counts as capturing (the driver refuses to say otherwise).
+  bool is_capturing(stream_ref stream) const {
+    CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+    const CUresult result = cuStreamIsCapturing(stream.as<CUstream_st>(), &status);
+    if (result == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) return true;
+    detail::cuda_check(result, "cuStreamIsCapturing");
+    return status != CU_STREAM_CAPTURE_STATUS_NONE;
+  }
+
   friend bool operator==(const cuda_reserver& a, const cuda_reserver& b) noexcept { return a.device_ == b.device_; }
 
  private:
@@ -341,5 +352,6 @@ class cuda_reserver {
 static_assert(address_reserver_for<cuda_reserver, cuda_provider>);
 static_assert(address_reserver_for<cuda_reserver, cuda_host_provider>);
 static_assert(stream_ordered_reserver<cuda_reserver>);
+static_assert(capture_aware_reserver<cuda_reserver>);
 
 }  // namespace glake

@@ -12,6 +12,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "glake/backends/concepts.hpp"
 #include "glake/config.hpp"
@@ -237,6 +238,22 @@ class sim_device {
     mappings_.erase(it);
   }
 
+  // --- stream capture (a test's stand-in for CUDA graph capture) ---
+
+  /// Work queued on `stream` is captured from now on, until end_capture(stream).
+  void begin_capture(stream_ref stream) {
+    std::lock_guard lock(mutex_);
+    if (std::find(capturing_.begin(), capturing_.end(), stream) == capturing_.end()) capturing_.push_back(stream);
+  }
+  void end_capture(stream_ref stream) {
+    std::lock_guard lock(mutex_);
+    capturing_.erase(std::remove(capturing_.begin(), capturing_.end(), stream), capturing_.end());
+  }
+  bool is_capturing(stream_ref stream) const {
+    std::lock_guard lock(mutex_);
+    return std::find(capturing_.begin(), capturing_.end(), stream) != capturing_.end();
+  }
+
   // --- observers ---
 
   std::size_t granularity() const noexcept { return granularity_; }
@@ -453,6 +470,7 @@ class sim_device {
   }
 
   mutable std::mutex mutex_;
+  std::vector<stream_ref> capturing_;  ///< streams begin_capture named
   const std::size_t capacity_;
   const std::size_t granularity_;
   const std::size_t host_capacity_;
@@ -512,6 +530,7 @@ class sim_reserver {
   }
   bool try_set_access(void* at, std::size_t bytes) { return device_->try_set_access(at, bytes); }
   void unmap(void* at, std::size_t bytes) noexcept { device_->unmap(at, bytes); }
+  bool is_capturing(stream_ref stream) const { return device_->is_capturing(stream); }
 
   sim_device& device() const noexcept { return *device_; }
   friend bool operator==(const sim_reserver&, const sim_reserver&) noexcept = default;
@@ -520,6 +539,7 @@ class sim_reserver {
   sim_device* device_;
 };
 static_assert(address_reserver_for<sim_reserver, sim_provider>);
+static_assert(capture_aware_reserver<sim_reserver>);
 
 /// The host tier of a sim_device (what cuda_host_provider is on a GPU): its handles count
 /// against the device's host capacity and are mapped by the device's sim_reserver like any other.

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -81,6 +82,11 @@ struct virtual_buffer_statistics {
 // work queued on that stream, and on every stream given to record_stream, has completed (events,
 // where the Reserver has them; host and simulated backends have no queued work). Work queued on
 // other streams must be ordered by the caller (an event wait), as for any asynchronous copy.
+// Graphs: a move on a stream that is capturing a graph (that stream or a recorded one) is a
+// usage_error before anything changes, where the Reserver can tell (capture_aware_reserver). A
+// graph captured earlier may be replayed over moved memory, since its addresses stay valid (it
+// reads an offloaded piece over the bus); a replay on a stream neither given nor recorded is
+// ordered by the caller, as above.
 // Complexity: O(pieces of the range) driver calls per call, plus O(cached host handles) to find
 // one of a piece's size. Thread safety: none; one owner calls it (or locks around it).
 // ---------------------------------------------------------------------------------------------
@@ -228,6 +234,7 @@ class virtual_buffer {
     bool any = false;
     for (std::size_t i = first; i < last; ++i) any = any || pieces_[i].where != residence::none;
     if (!any) return;
+    refuse_capture("decommit", stream);
     wait_for_streams(stream);
     for (std::size_t i = first; i < last; ++i) {
       piece_state& p = pieces_[i];
@@ -247,6 +254,7 @@ class virtual_buffer {
   void offload(std::size_t offset, std::size_t bytes, stream_ref stream = default_stream) {
     const auto [first, last] = piece_range("offload", offset, bytes);
     require_all(first, last, residence::device, "offload");
+    refuse_capture("offload", stream);
     reclaim_pending(false);
     const std::size_t count = last - first;
     std::vector<host_slot> slots;
@@ -329,6 +337,7 @@ class virtual_buffer {
   void prefetch(std::size_t offset, std::size_t bytes, stream_ref stream = default_stream) {
     const auto [first, last] = piece_range("prefetch", offset, bytes);
     require_all(first, last, residence::host, "prefetch");
+    refuse_capture("prefetch", stream);
     const std::size_t count = last - first;
     std::vector<device_handle> handles;
     handles.reserve(count);
@@ -649,6 +658,26 @@ class virtual_buffer {
         }
       }
       pending_.resize(kept);
+    }
+  }
+
+  // A move remaps memory now, on the host, and waits for queued work: on a stream that is
+  // capturing a graph its copies would be recorded instead of run, and waiting is not allowed.
+  // Refused before anything changes, when the Reserver can tell.
+  void refuse_capture(const char* what, stream_ref stream) const {
+    if constexpr (capture_aware_reserver<Reserver>) {
+      for (std::size_t k = 0; k <= streams_.size(); ++k) {
+        const stream_ref s = k == 0 ? stream : streams_[k - 1];
+        if (!reserver_.is_capturing(s)) continue;
+        char id[32];
+        std::snprintf(id, sizeof id, "%#llx", static_cast<unsigned long long>(s.id()));
+        throw usage_error(usage_error::kind::bad_argument,
+                          std::string("glake::virtual_buffer::") + what + ": stream " + id +
+                              (k == 0 ? "" : " (given to record_stream)") +
+                              " is capturing a graph; a move remaps memory at once and would record "
+                              "its copies in the graph instead of running them: move before or after "
+                              "the capture");
+      }
     }
   }
 
