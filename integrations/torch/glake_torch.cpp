@@ -797,4 +797,19 @@ extern "C" GLAKE_TORCH_API int glake_copy(void* dst, const void* src, size_t byt
     copier_for(device).copy(dst, src, bytes, stream_ref{stream});
   });
 }
+
+extern "C" GLAKE_TORCH_API int glake_copy_from_file(void* dst, int fd, uint64_t offset, size_t bytes,
+                                                    CUstream_st* stream) {
+  return movable_call("loading a file into", dst, [&] {
+    if (bytes == 0) return;
+    const pointer_info to = cuda_pointer_classifier{}.locate(dst);
+    if (to.kind != memory_kind::device || to.device < 0) {
+      throw usage_error(usage_error::kind::bad_argument,
+                        std::string("glake_copy_from_file: the destination is ") + to_string(to.kind) +
+                            ", not device memory");
+    }
+    device_scope scope(to.device);
+    copier_for(to.device).copy_from_file(dst, fd, offset, bytes, stream_ref{stream});
+  });
+}
 #endif

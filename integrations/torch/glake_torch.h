@@ -171,6 +171,13 @@ extern "C" {
  * (null, overlap, another device's memory...), -2 out of pinned memory, -3 a driver error; the
  * reason in glake_last_error. Only in libglake_torch.so (CUDA), not in the simulated library. */
 GLAKE_TORCH_API int glake_copy(void* dst, const void* src, size_t bytes, struct CUstream_st* stream);
+/* Reads `bytes` of the open file `fd` from `offset` (pread: the file position is untouched) into
+ * device memory at `dst`, ordered on `stream`, through the same staged copier (several threads
+ * read the file into pinned buffers while the GPU copies the previous one). Returns once the file
+ * range has been read. 0; -1 misuse (not device memory, a bad fd, a range past the file's end),
+ * -2 out of pinned memory, -3 a read or driver error; the reason in glake_last_error. Only in
+ * libglake_torch.so (CUDA). */
+GLAKE_TORCH_API int glake_copy_from_file(void* dst, int fd, uint64_t offset, size_t bytes, struct CUstream_st* stream);
 #ifdef __cplusplus
 }
 #endif

@@ -725,3 +725,124 @@ def copy_(dst, src, stream=None):
     code = fn(dst.data_ptr(), src.data_ptr(), nbytes, _stream_handle(stream, device))
     _raise_for(code, lib, "copy_")
     return dst
+
+
+# ------------------------------------------------------------------ checkpoints from files
+
+# safetensors' dtype names, their torch dtype names and sizes in bytes.
+_SAFETENSORS_DTYPES = {
+    "BOOL": ("bool", 1), "U8": ("uint8", 1), "I8": ("int8", 1), "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1), "I16": ("int16", 2), "U16": ("uint16", 2), "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2), "I32": ("int32", 4), "U32": ("uint32", 4), "F32": ("float32", 4),
+    "I64": ("int64", 8), "U64": ("uint64", 8), "F64": ("float64", 8),
+}
+_SAFETENSORS_MAX_HEADER = 100_000_000  # as the safetensors library
+
+
+class SafetensorsEntry:
+    """One tensor of a safetensors file: name, dtype (safetensors' name), shape, and its bytes
+    [begin, end) in the data section."""
+
+    __slots__ = ("name", "dtype", "shape", "begin", "end")
+
+    def __init__(self, name, dtype, shape, begin, end):
+        self.name, self.dtype, self.shape, self.begin, self.end = name, dtype, shape, begin, end
+
+    def __repr__(self):
+        return f"SafetensorsEntry({self.name!r}, {self.dtype}, {self.shape}, [{self.begin}, {self.end}))"
+
+
+def safetensors_layout(path):
+    """Reads and checks a safetensors file's header: returns (data_start, data_bytes, entries,
+    metadata), entries in file order. ValueError, naming the file and the entry, for a header
+    that is not what the format says (size, JSON, dtype, shape, offsets outside the data or not
+    matching the shape); no tensor bytes are read."""
+    import struct
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: {size} bytes, shorter than a safetensors header's 8-byte size")
+        (n,) = struct.unpack("<Q", head)
+        if n > _SAFETENSORS_MAX_HEADER or 8 + n > size:
+            raise ValueError(f"{path}: a header of {n} bytes does not fit a file of {size} bytes "
+                             f"(at most {_SAFETENSORS_MAX_HEADER})")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path}: the header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the header is not a JSON object")
+    data_start = 8 + n
+    data_bytes = size - data_start
+    metadata = header.pop("__metadata__", None) or {}
+    entries = []
+    for name, e in header.items():
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(e, dict):
+            raise ValueError(f"{where}: not an object")
+        dtype, shape, offsets = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{where}: dtype {dtype!r} is not one of {', '.join(_SAFETENSORS_DTYPES)}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape):
+            raise ValueError(f"{where}: shape {shape!r} is not a list of sizes")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or
+                not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+            raise ValueError(f"{where}: data_offsets {offsets!r} is not [begin, end]")
+        begin, end = offsets
+        if not 0 <= begin <= end <= data_bytes:
+            raise ValueError(f"{where}: bytes [{begin}, {end}) lie outside the data section's {data_bytes} bytes")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel * _SAFETENSORS_DTYPES[dtype][1] != end - begin:
+            raise ValueError(f"{where}: {dtype} x {shape} needs {numel * _SAFETENSORS_DTYPES[dtype][1]} bytes, "
+                             f"data_offsets give {end - begin}")
+        entries.append(SafetensorsEntry(name, dtype, tuple(shape), begin, end))
+    entries.sort(key=lambda x: x.begin)
+    return data_start, data_bytes, entries, metadata
+
+
+def load_safetensors(path, device=None, stream=None):
+    """Loads a safetensors file straight into GPU memory: one device buffer for the data section,
+    read from the file by glake's staged copier (several threads pread into pinned buffers while
+    the GPU copies the previous one: no pageable copy of the file in between), and one tensor a
+    header entry viewing its bytes (a tensor whose offset does not suit its dtype's alignment is
+    copied into a tensor of its own, on the device). Returns {name: tensor}, in file order.
+    The tensors share the buffer: its memory goes back once all of them are gone. Ordered on
+    `stream` (default: the device's current stream); returns once the file has been read.
+    ValueError for a malformed header (safetensors_layout), RuntimeError for a read or copy
+    failure (the reason from glake) or a library without glake_copy_from_file."""
+    lib = load()
+    fn = getattr(lib, "glake_copy_from_file", None)
+    if fn is None:
+        raise RuntimeError("glake_torch: load_safetensors needs libglake_torch.so built with CUDA "
+                           "(the simulated library has no glake_copy_from_file)")
+    import torch
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    data_start, data_bytes, entries, _ = safetensors_layout(path)
+    index = _device_index(device)
+    dev = torch.device("cuda", index)
+    used = max((e.end for e in entries), default=0)
+    buffer = torch.empty(used, dtype=torch.uint8, device=dev)
+    if used > 0:
+        with open(path, "rb") as f:
+            code = fn(buffer.data_ptr(), f.fileno(), data_start, used, _stream_handle(stream, index))
+        _raise_for(code, lib, "load_safetensors")
+    tensors = {}
+    for e in entries:
+        name, size = _SAFETENSORS_DTYPES[e.dtype]
+        dtype = getattr(torch, name, None)
+        if dtype is None:
+            raise ValueError(f"{path}: tensor {e.name!r}: this torch has no {name}")
+        piece = buffer[e.begin:e.end]
+        if e.begin % size == 0:
+            tensors[e.name] = piece.view(dtype).view(e.shape)
+        else:
+            t = torch.empty(e.shape, dtype=dtype, device=dev)
+            t.view(-1).view(torch.uint8).copy_(piece)
+            tensors[e.name] = t
+    return tensors
