@@ -1,7 +1,7 @@
 // libFuzzer target: bytes decoded into a stream of allocator operations (allocate, deallocate,
 // record_stream, release_cached, injected driver faults, completed events, memory limits set at
-// run time) on the host and simulated backends, with verify(), the statistics and every live
-// block's contents checked.
+// run time, offload and prefetch of live blocks to far memory) on the host and simulated
+// backends, with verify(), the statistics and every live block's contents checked.
 //
 // The first byte picks one of the compositions in `run_one` (stitching, caching and segregator
 // over host or sim, with or without fault injection or events), the next few bytes its knobs,
@@ -25,6 +25,7 @@
 #include <map>
 #include <new>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -151,6 +152,7 @@ struct live_block {
   stream_ref stream;
   std::uint64_t id;
   bool recorded = false;  ///< record_stream'd: its free may be deferred
+  bool offloaded = false;  ///< its memory is in far memory
 };
 
 // What a composition offers the driver loop beyond the allocator itself.
@@ -158,8 +160,13 @@ struct host_world {
   static constexpr bool real_memory = true;
   fault_plan plan;
   host_provider raw_provider{host_granularity, host_capacity};
+  host_provider far_provider{host_granularity, host_capacity};
   std::size_t physical_bytes() const { return raw_provider.created_bytes(); }
-  bool clean_after_teardown() const { return raw_provider.created_bytes() == 0; }
+  bool clean_after_teardown() const { return raw_provider.created_bytes() == 0 && far_provider.created_bytes() == 0; }
+  template <class A>
+  void attach_far_memory(A& a) {
+    a.attach_far_memory(fault_injecting_provider<host_provider>{far_provider, plan}, host_copier{});
+  }
   bool mapped(const void*) const { return true; }  // the pattern check covers it
   void complete(stream_ref) {}
   fault_plan* faults() { return &plan; }
@@ -174,7 +181,15 @@ struct sim_world {
   std::size_t physical_bytes() const { return device.physical_bytes(); }
   bool clean_after_teardown() const {
     return device.physical_bytes() == 0 && device.live_handles() == 0 && device.reserved_bytes() == 0 &&
-           device.live_mappings() == 0 && device.violations() == 0;
+           device.live_mappings() == 0 && device.violations() == 0 && device.host_bytes() == 0;
+  }
+  template <class A>
+  void attach_far_memory(A& a) {
+    if (with_faults) {
+      a.attach_far_memory(fault_injecting_provider<sim_host_provider>{sim_host_provider{device}, plan}, sim_copier{device});
+    } else {
+      a.attach_far_memory(sim_host_provider{device}, sim_copier{device});
+    }
   }
   bool mapped(const void* p) const {
     const auto where = device.resolve(p);
@@ -314,6 +329,31 @@ void run_operations(Allocator& allocator, World& world, byte_reader& in) {
         world.complete(streams[(op >> 4) % 3]);
         break;
       case 14:
+        // With the high bit: offload a live block's memory, or bring it back.
+        if constexpr (offloading_allocator<Allocator>) {
+          if ((op & 0x80) && !live.empty()) {
+            live_block& b = live[in.byte() % live.size()];
+            try {
+              if (b.offloaded) {
+                allocator.prefetch(b.p, b.stream);
+              } else {
+                allocator.offload(b.p, b.stream);
+              }
+              b.offloaded = !b.offloaded;
+            } catch (const out_of_memory&) {
+            } catch (const usage_error& e) {
+              // Refused only for what cannot move: a block with no whole handle of its own, or
+              // one in the small pool.
+              const std::string what = e.what();
+              GLAKE_FUZZ_CHECK(!b.offloaded && (what.find("no whole handle") != std::string::npos ||
+                                                what.find("small allocation") != std::string::npos),
+                               step);
+            }
+            GLAKE_FUZZ_CHECK(allocator.residence_of(b.p) == (b.offloaded ? residence::host : residence::device), step);
+            check_block(b);
+            break;
+          }
+        }
         for (const auto& b : live) check_block(b);
         break;
       case 15:
@@ -359,6 +399,7 @@ template <class Allocator, class World, class... Args>
 void run_composition(World& world, byte_reader& in, Args&&... args) {
   {
     Allocator allocator(std::forward<Args>(args)...);
+    if constexpr (offloading_allocator<Allocator>) world.attach_far_memory(allocator);
     run_operations(allocator, world, in);
   }
   GLAKE_FUZZ_CHECK(world.clean_after_teardown(), 0);

@@ -651,3 +651,45 @@ TEST_CASE("pluggable_allocator: visit_state shows the general allocator, then ea
   plugin.end_allocate_to_pool(0, graph_pool);
   plugin.release_pool(0, graph_pool);
 }
+
+TEST_CASE("pluggable_allocator: offload and prefetch reach the allocator that holds a block, never a pool's") {
+  sim_devices sim;
+  auto make = sim.factory();
+  pool_plugin plugin(
+      [&](int id) {
+        auto a = make(id);
+        sim_device& d = *sim.devices.at(id);
+        a->attach_far_memory(sim_host_provider{d}, sim_copier{d});
+        return a;
+      },
+      options_for<pool_plugin>(nullptr));
+  // (Simulated devices share one address space each from the same base: one device here.)
+  void* kept = plugin.allocate(64 * MiB, 0, other_stream);
+  void* moved = plugin.allocate(32 * MiB, 0, other_stream);
+  plugin.offload(moved, other_stream);
+  CHECK(plugin.residence_of(moved) == residence::host);
+  CHECK(plugin.residence_of(kept) == residence::device);
+  CHECK(sim.devices.at(0)->host_bytes() == 32 * MiB);
+  CHECK(plugin.find(0)->stats().offloaded_bytes == 32 * MiB);
+  CHECK_FALSE(plugin.residence_of(&sim).has_value());
+  CHECK_THROWS_AS(plugin.offload(&sim, other_stream), usage_error);
+  CHECK_THROWS_AS(plugin.prefetch(kept, other_stream), usage_error);  // not offloaded
+  // A graph's pool keeps its mappings: its blocks do not move.
+  REQUIRE(plugin.begin_allocate_to_pool(0, graph_pool, only(capture_stream)));
+  void* in_pool = plugin.allocate(64 * MiB, 0, capture_stream);
+  plugin.end_allocate_to_pool(0, graph_pool);
+  try {
+    plugin.offload(in_pool, other_stream);
+    FAIL("a pool's block must not move");
+  } catch (const usage_error& e) {
+    CHECK(std::string(e.what()).find("private pool") != std::string::npos);
+  }
+  plugin.prefetch(moved, other_stream);
+  CHECK(plugin.residence_of(moved) == residence::device);
+  CHECK(sim.devices.at(0)->host_bytes() == 0);
+  plugin.deallocate(in_pool, 64 * MiB, 0, capture_stream);
+  plugin.release_pool(0, graph_pool);
+  plugin.deallocate(kept, 64 * MiB, 0, other_stream);
+  plugin.deallocate(moved, 32 * MiB, 0, other_stream);
+  CHECK(plugin.errors() == 0);
+}

@@ -69,6 +69,8 @@ struct statistics {
   std::size_t reserved_bytes = 0;        ///< physical bytes held from the backend
   std::size_t peak_reserved_bytes = 0;
   std::size_t cached_stitch_bytes = 0;   ///< virtual bytes of stitched mappings kept for reuse
+  std::size_t offloaded_bytes = 0;       ///< bytes of allocations whose memory is in far memory
+                                         ///< (offload), not counted in reserved_bytes
 
   std::uint64_t allocations = 0;         ///< successful allocate calls (zero-size ones excluded)
   std::uint64_t deallocations = 0;

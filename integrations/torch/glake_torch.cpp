@@ -70,7 +70,9 @@ sim_device& simulated_device(int device) {
 
 std::unique_ptr<allocator_type> make_allocator(int device, const config& settings) {
   sim_device& d = simulated_device(device);
-  return std::make_unique<allocator_type>(sim_provider{d}, sim_reserver{d}, settings);
+  auto a = std::make_unique<allocator_type>(sim_provider{d}, sim_reserver{d}, settings);
+  a->attach_far_memory(sim_host_provider{d}, sim_copier{d});  // offload of the allocator's blocks
+  return a;
 }
 
 using movable_buffer = virtual_buffer<sim_provider, sim_host_provider, sim_reserver, sim_copier>;
@@ -134,7 +136,15 @@ using device_scope = cuda_device_scope;
 constexpr const char* backend_name = "cuda";
 
 std::unique_ptr<allocator_type> make_allocator(int device, const config& settings) {
-  return std::make_unique<allocator_type>(cuda_provider(device), cuda_reserver(device), settings);
+  auto a = std::make_unique<allocator_type>(cuda_provider(device), cuda_reserver(device), settings);
+  // Host-NUMA memory for offloading the allocator's blocks; where the driver offers none, the
+  // allocator works without (an offload then says so).
+  try {
+    a->attach_far_memory(cuda_host_provider(device), cuda_copier{});
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "glake: device %d: no host memory for offload (%s)\n", device, e.what());
+  }
+  return a;
 }
 
 using movable_buffer = virtual_buffer<cuda_provider, cuda_host_provider, cuda_reserver, cuda_copier>;
@@ -645,8 +655,12 @@ GLAKE_TORCH_API int glake_movable_destroy(void* ptr) {
 }
 
 GLAKE_TORCH_API int glake_offload_many(void* const* ptrs, size_t count, CUstream_st* stream) {
-  return movable_call("offloading movable buffers", count != 0 ? ptrs[0] : nullptr, [&] {
+  return movable_call("offloading", count != 0 ? ptrs[0] : nullptr, [&] {
     for (std::size_t i = 0; i < count; ++i) {
+      if (!movables().contains(ptrs[i])) {
+        plugin().offload(ptrs[i], stream_ref{stream});  // one of the allocator's blocks
+        continue;
+      }
       movables().with(ptrs[i], [&](movable_buffer& b, int device) {
         device_scope scope(device);
         b.offload(0, b.size(), stream_ref{stream});
@@ -668,6 +682,7 @@ GLAKE_TORCH_API int glake_prefetch_many(void* const* ptrs, size_t count, CUstrea
     // is still short of memory, the whole cache goes.
     std::array<std::size_t, 64> needed{};
     for (std::size_t i = 0; i < count; ++i) {
+      if (!movables().contains(ptrs[i])) continue;  // an allocator block: its prefetch makes room itself
       movables().with(ptrs[i], [&](movable_buffer& b, int device) {
         if (device >= 0 && static_cast<std::size_t>(device) < needed.size()) needed[device] += b.stats().host_bytes;
       });
@@ -681,6 +696,10 @@ GLAKE_TORCH_API int glake_prefetch_many(void* const* ptrs, size_t count, CUstrea
       }
     }
     for (std::size_t i = 0; i < count; ++i) {
+      if (!movables().contains(ptrs[i])) {
+        plugin().prefetch(ptrs[i], stream_ref{stream});
+        continue;
+      }
       movables().with(ptrs[i], [&](movable_buffer& b, int device) {
         device_scope scope(device);
         try {
@@ -698,6 +717,10 @@ GLAKE_TORCH_API int glake_prefetch(void* ptr, CUstream_st* stream) { return glak
 
 GLAKE_TORCH_API int glake_residence(const void* ptr) {
   try {  // a question, not a failure: no line on stderr for a pointer outside every buffer
+    if (!movables().contains(ptr)) {
+      const std::optional<residence> r = plugin().residence_of(ptr);
+      return r ? static_cast<int>(*r) : -1;
+    }
     return movables().with(ptr, [&](movable_buffer& b, int) { return static_cast<int>(b.residence_of(0)); });
   } catch (...) {
     return -1;

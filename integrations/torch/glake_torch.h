@@ -92,7 +92,10 @@ GLAKE_TORCH_API int glake_movable_destroy(void* ptr);
 
 /* Moves the movable buffer holding `ptr` to host memory (offload) or back (prefetch), ordered on
  * `stream`: work queued on it afterwards sees the data. The addresses do not change; device code
- * may use an offloaded buffer, over the bus. offload returns once its device memory is free. */
+ * may use an offloaded buffer, over the bus. offload returns once its device memory is free.
+ * `ptr` may also be a live allocation of glake's allocator (its first address, as glake_malloc
+ * returned it, of at least one whole handle: 2 MiB): its whole handles move the same way
+ * (stitching_allocator::offload); a private pool's allocation is refused (-1). */
 GLAKE_TORCH_API int glake_offload(void* ptr, struct CUstream_st* stream);
 GLAKE_TORCH_API int glake_prefetch(void* ptr, struct CUstream_st* stream);
 
@@ -101,7 +104,8 @@ GLAKE_TORCH_API int glake_prefetch(void* ptr, struct CUstream_st* stream);
 GLAKE_TORCH_API int glake_offload_many(void* const* ptrs, size_t count, struct CUstream_st* stream);
 GLAKE_TORCH_API int glake_prefetch_many(void* const* ptrs, size_t count, struct CUstream_st* stream);
 
-/* Where the movable buffer holding `ptr` is: 1 device, 2 host; -1 when no movable buffer holds it. */
+/* Where the movable buffer holding `ptr`, or the allocator's live allocation at `ptr`, is: 1 device,
+ * 2 host; -1 for neither. */
 GLAKE_TORCH_API int glake_residence(const void* ptr);
 
 /* From now on, on the calling thread, requests to glake_malloc / glake_torch_malloc of at least

@@ -174,6 +174,17 @@ class movable_registry {
     return true;  // destroyed here, outside the lock
   }
 
+  /// Whether a live (not cached) buffer holds address `p`.
+  bool contains(const void* p) const {
+    if (live_.load(std::memory_order_acquire) == 0) return false;
+    std::lock_guard lock(mutex_);
+    const std::uintptr_t a = address(p);
+    auto it = buffers_.upper_bound(a);
+    if (it == buffers_.begin()) return false;
+    --it;
+    return a - it->first < it->second.buffer->size() && !it->second.cached;
+  }
+
   /// Calls f(buffer, device) for the buffer holding address `p`, under the lock; throws
   /// usage_error when no buffer holds it.
   template <class F>

@@ -286,6 +286,7 @@ inline void accumulate(statistics& into, const statistics& s) noexcept {
   into.reserved_bytes += s.reserved_bytes;
   into.peak_reserved_bytes += s.peak_reserved_bytes;
   into.cached_stitch_bytes += s.cached_stitch_bytes;
+  into.offloaded_bytes += s.offloaded_bytes;
   accumulate_counts(into, s);
 }
 }  // namespace detail
@@ -501,6 +502,33 @@ class pluggable_allocator {
     } catch (const std::exception& e) {
       error("glake: record_stream of %p failed: %s", p, e.what());
     }
+  }
+
+  /// Moves the live allocation at `p` (of any device's allocator) to far memory, or back, ordered
+  /// on `stream` (the allocator's offload / prefetch), in the device's context. Throws what they
+  /// throw, and usage_error for a pointer no device's allocator holds live, or one in a private
+  /// pool (a CUDA graph's memory, whose mappings must not change).
+  void offload(void* p, stream_ref stream)
+    requires offloading_allocator<Allocator>
+  {
+    move_allocation(p, stream, true);
+  }
+  void prefetch(void* p, stream_ref stream)
+    requires offloading_allocator<Allocator>
+  {
+    move_allocation(p, stream, false);
+  }
+  /// Where the live allocation at `p` is; empty for a pointer no device's allocator holds live.
+  std::optional<residence> residence_of(const void* p)
+    requires offloading_allocator<Allocator>
+  {
+    std::optional<residence> where;
+    registry_.for_each([&](int device, slot& s) {
+      if (where || !s.allocator->owns(p)) return;
+      DeviceScope scope(device);
+      where = s.allocator->residence_of(p);
+    });
+    return where;
   }
 
   /// Gives cached memory back (the allocator's release_cached) on `device`, or on every device
@@ -778,6 +806,36 @@ class pluggable_allocator {
   }
 
  private:
+  void move_allocation(void* p, stream_ref stream, bool to_far) {
+    bool found = false;
+    registry_.for_each([&](int device, slot& s) {
+      if (found) return;
+      if (s.pools.load(std::memory_order_acquire) != 0) {
+        std::lock_guard pools_lock(s.pools_mutex);
+        if (s.pool_of.contains(reinterpret_cast<std::uintptr_t>(p))) {
+          throw usage_error(usage_error::kind::bad_argument,
+                            "glake: " + std::string(to_far ? "offload" : "prefetch") + " of " +
+                                detail::pointer_text(p) +
+                                ": it is in a CUDA graph's private pool, whose mappings must not change");
+        }
+      }
+      if (!s.allocator->owns(p)) return;
+      found = true;
+      DeviceScope scope(device);
+      if (to_far) {
+        s.allocator->offload(p, stream);
+      } else {
+        s.allocator->prefetch(p, stream);
+      }
+      if (s.trace) s.trace->reserved(s.allocator->reserved_bytes());
+    });
+    if (!found) {
+      throw usage_error(usage_error::kind::foreign_pointer,
+                        "glake: " + std::string(to_far ? "offload" : "prefetch") + " of " + detail::pointer_text(p) +
+                            ": not a live allocation of glake's allocator");
+    }
+  }
+
   struct private_pool {
     pool_id id{};
     std::unique_ptr<Allocator> allocator;

@@ -10,6 +10,7 @@
 #include "glake/backends/concepts.hpp"
 #include "glake/detail/archetypes.hpp"
 #include "glake/memory_state.hpp"
+#include "glake/movers/concepts.hpp"
 #include "glake/statistics.hpp"
 #include "glake/stream.hpp"
 
@@ -142,6 +143,29 @@ template <class A>
 concept completion_releasing_allocator = partly_cache_releasing_allocator<A> && requires(A& a, std::size_t bytes) {
   { a.release_completed(bytes) } -> std::same_as<std::size_t>;
 };
+
+// offloading_allocator (refines owning_allocator)
+//
+// Live allocations whose memory moves to far memory (the host) and back while their addresses
+// stay the same (the tiered_memory contract of movers/concepts.hpp, per allocation).
+//
+// | expression          | returns   | throws                                | meaning
+// |---------------------|-----------|---------------------------------------|-------------------------
+// | a.offload(p, s)     | void      | usage_error (not live here, moved     | p's memory goes to far
+// |                     |           | already, nothing of it movable),      | memory after the work
+// |                     |           | out_of_memory (far memory), driver    | queued on s; p stays
+// |                     |           | errors; nothing moved on a throw      | valid
+// | a.prefetch(p, s)    | void      | usage_error, out_of_memory (device),  | and back
+// |                     |           | driver errors; nothing moved on a     |
+// |                     |           | throw                                 |
+// | a.residence_of(p)   | residence | usage_error (not live here)           | where p's memory is
+template <class A>
+concept offloading_allocator =
+    owning_allocator<A> && requires(A& a, const A& ca, void* p, const void* cp, stream_ref stream) {
+      { a.offload(p, stream) } -> std::same_as<void>;
+      { a.prefetch(p, stream) } -> std::same_as<void>;
+      { ca.residence_of(cp) } -> std::same_as<residence>;
+    };
 
 // peak_resetting_allocator
 //

@@ -173,6 +173,7 @@ class segregator {
     s.peak_allocated_bytes = std::max(s.peak_allocated_bytes, s.allocated_bytes);
     s.reserved_bytes = a.reserved_bytes + b.reserved_bytes;
     s.cached_stitch_bytes = a.cached_stitch_bytes + b.cached_stitch_bytes;
+    s.offloaded_bytes = a.offloaded_bytes + b.offloaded_bytes;
     s.failed_allocations = a.failed_allocations + b.failed_allocations;
     s.splits = a.splits + b.splits;
     s.merges = a.merges + b.merges;

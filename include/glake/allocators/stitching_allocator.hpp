@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -21,11 +23,14 @@
 #include "glake/detail/accounting.hpp"
 #include "glake/detail/archetypes.hpp"
 #include "glake/detail/deferred_frees.hpp"
+#include "glake/detail/handle_mover.hpp"
 #include "glake/detail/segment_pool.hpp"
 #include "glake/detail/stitcher.hpp"
 #include "glake/detail/stream_adoption.hpp"
 #include "glake/detail/stream_clocks.hpp"
 #include "glake/memory_state.hpp"
+#include "glake/movers/concepts.hpp"
+#include "glake/movers/far_memory.hpp"
 #include "glake/policies/admission.hpp"
 #include "glake/policies/eviction.hpp"
 #include "glake/policies/growth.hpp"
@@ -75,6 +80,9 @@ namespace glake {
 /// range while it holds an allocation (segment_map / segment_unmap), and of each free once its
 /// memory is reusable (free_completed; later than the call for a record_stream'd free).
 /// retain_memory(true) keeps every mapping and every byte (for a CUDA graph's private pool).
+/// Offload: with far memory attached (attach_far_memory), offload(p) moves a live large
+/// allocation's whole handles to far memory and prefetch(p) brings them back, the pointer
+/// unchanged (docs/offload.md, "Allocator blocks").
 template <physical_provider Provider, address_reserver_for<Provider> Reserver,
           stitching_strategy Stitch = best_fit_tail_stitching, eviction_policy Evict = lru_eviction,
           lock_policy Lock = no_lock, stitch_admission Admission = gmlake_admission,
@@ -203,6 +211,7 @@ class stitching_allocator {
       small_.release_free_segments(~std::size_t{0});
       released += release_free_segments(bytes - released);
     }
+    if (parked_ > 0 && !retain_) unpark();
     return released;
   }
 
@@ -303,6 +312,66 @@ class stitching_allocator {
     }
   }
 
+  // ------------------------------------------------------------------ offload
+  /// Far memory for offload: `host` makes its handles (this allocator's handle type, which its
+  /// reserver maps) and `copier` moves the bytes. config_error when this allocator's handles are
+  /// not multiples of host's granularity; usage_error while an allocation is in the far memory
+  /// attached now.
+  template <physical_provider Host, byte_copier Copier>
+    requires std::same_as<typename Host::handle_type, typename Provider::handle_type> &&
+             address_reserver_for<Reserver, Host> && copier_fits_reserver<Copier, Reserver>
+  void attach_far_memory(Host host, Copier copier) {
+    std::lock_guard guard(lock_);
+    if (!moved_.empty()) {
+      throw usage_error(usage_error::kind::bad_argument,
+                        std::string(name) + "::attach_far_memory: " + std::to_string(moved_.size()) +
+                            " allocation(s) are in the far memory attached now");
+    }
+    const std::size_t g = host.granularity();
+    if (g == 0 || pool_.chunk() % g != 0) {
+      throw config_error(std::string(name) + "::attach_far_memory: handles of " + format_bytes(pool_.chunk()) +
+                         " are not multiples of the far memory's granularity (" + format_bytes(g) + ")");
+    }
+    far_ = std::make_unique<far_memory_of<Host, Copier>>(std::move(host), std::move(copier));
+    pool_.set_far_releaser(&self::release_far_handle, this);
+  }
+
+  /// Moves the memory of the live allocation at `p` to far memory, ordered on `stream`: every
+  /// whole handle inside it (a stitched allocation: inside the part it claims) is copied into a
+  /// new far handle after the work queued on `stream`, on the allocation's own stream and on
+  /// streams given to record_stream has completed, then mapped in its place, at every address
+  /// that maps it; the device handle goes back to the backend (reserved_bytes falls, the device
+  /// has it again). The pointer stays valid; device code reads and writes far memory through it
+  /// (slowly). Bytes in handles it shares with neighbouring blocks stay on the device. Cached
+  /// stitched ranges over its memory are dropped. All or nothing: out_of_memory when far memory
+  /// runs out; usage_error for a pointer that is not a live allocation of at least one whole
+  /// handle, one offloaded already, no far memory attached, memory retained (retain_memory), or
+  /// a stream capturing a graph (capture_aware_reserver). Waits for the device.
+  void offload(void* p, stream_ref stream = default_stream) {
+    std::lock_guard guard(lock_);
+    move_locked("offload", p, stream, true);
+  }
+
+  /// Brings an offloaded allocation's memory back to the device (the reverse of offload, new
+  /// device handles, the same pointer). When the device is short, cached memory is released
+  /// first; out_of_memory when that is not enough, with nothing changed.
+  void prefetch(void* p, stream_ref stream = default_stream) {
+    std::lock_guard guard(lock_);
+    move_locked("prefetch", p, stream, false);
+  }
+
+  /// Where the live allocation at `p` is: residence::host once offloaded, else device.
+  /// usage_error for a pointer that is not a live allocation here.
+  residence residence_of(const void* p) const {
+    std::lock_guard guard(lock_);
+    if (!owns_unlocked(p)) {
+      throw usage_error(usage_error::kind::foreign_pointer,
+                        std::string(name) + "::residence_of: " + detail::pointer_text(p) +
+                            " is not a live allocation of this allocator");
+    }
+    return moved_.contains(reinterpret_cast<std::uintptr_t>(p)) ? residence::host : residence::device;
+  }
+
  private:
   void release_cached_locked() {
     finish_deferred(true);
@@ -310,6 +379,7 @@ class stitching_allocator {
     evict_stitches(~std::size_t{0}, true);
     small_.release_free_segments(~std::size_t{0});
     release_free_segments(~std::size_t{0});
+    if (parked_ > 0) unpark();
   }
 
  public:
@@ -411,6 +481,9 @@ class stitching_allocator {
 
   bool owns_unlocked(const void* p) const {
     const auto address = reinterpret_cast<std::uintptr_t>(p);
+    if (!moved_.empty()) {
+      if (const auto it = moved_.find(address); it != moved_.end() && it->second.parked) return false;
+    }
     auto& arena = const_cast<pool_type&>(pool_).arena();
     if (const block_type* b = arena.find(address); b != nullptr && !b->free && b->owner == nullptr) return true;
     if (const stitched* s = find_stitch(address); s != nullptr && s->live) return true;
@@ -633,6 +706,12 @@ class stitching_allocator {
         return;
       }
     }
+    if (!moved_.empty()) {
+      if (const auto it = moved_.find(address); it != moved_.end()) {
+        if (it->second.parked) diagnose_bad_free(p, bytes, false);
+        if (!bring_back_for_free(it, p, bytes, stream)) return;  // parked: its memory stays far for now
+      }
+    }
     if (block_type* b = pool_.arena().find(address); b != nullptr && !b->free && b->owner == nullptr) {
 #if GLAKE_CHECKED
       if (b->requested != bytes) detail::throw_size_mismatch(name, p, bytes, b->requested);
@@ -732,6 +811,256 @@ class stitching_allocator {
     // after it) has returned its live blocks.
   }
 
+
+  // ------------------------------------------------------------------ offload
+  using slot_type = typename pool_type::slot_type;
+  using site_type = detail::handle_site<slot_type>;
+  using far_type = far_memory<typename Provider::handle_type>;
+  /// An allocation whose memory is in far memory: its handles' sites, their bytes, and whether
+  /// it was freed meanwhile (parked: its memory waits there for device memory to come back to).
+  struct moved_allocation {
+    std::vector<site_type> sites;
+    std::size_t bytes = 0;
+    bool parked = false;
+  };
+  /// A live large allocation: its block, or its stitched range.
+  struct live_allocation {
+    block_type* block = nullptr;
+    stitched* range = nullptr;
+    stream_ref stream{};
+    std::size_t requested = 0;
+  };
+
+  static void release_far_handle(void* context, typename Provider::handle_type handle) noexcept {
+    static_cast<self*>(context)->far_->release(handle);
+  }
+
+  live_allocation find_live(std::uintptr_t address) {
+    live_allocation a;
+    if (block_type* b = pool_.arena().find(address); b != nullptr && !b->free && b->owner == nullptr) {
+      a.block = b;
+      a.stream = b->stream;
+      a.requested = b->requested;
+    } else if (stitched* r = find_stitch(address); r != nullptr && r->live) {
+      a.range = r;
+      a.stream = r->stream;
+      a.requested = r->requested;
+    }
+    return a;
+  }
+
+  // The whole handles of a live allocation, where they are mapped, and the segments they are in
+  // (for dropping cached stitched ranges over them).
+  void sites_of(const live_allocation& a, std::vector<site_type>& sites, std::vector<segment*>& homes) {
+    const auto add_within = [&](segment* home, std::size_t lo, std::size_t hi, std::uintptr_t range_at) {
+      auto& m = home->mapping;
+      for (std::size_t i = m.first_at_or_after(lo); i < m.count && m.slots[i].offset + m.slots[i].size <= hi; ++i) {
+        sites.push_back(site_type{&m.slots[i], m.base + m.slots[i].offset,
+                                  range_at == 0 ? 0 : range_at + (m.slots[i].offset - lo)});
+        homes.push_back(home);
+      }
+    };
+    if (a.block != nullptr) {
+      const auto& m = a.block->segment->mapping;
+      add_within(a.block->segment, a.block->address - m.base, a.block->address - m.base + a.block->size, 0);
+      return;
+    }
+    if constexpr (stitches) {
+      // A range maps its pieces side by side; a piece's claimed block starts where the piece does.
+      std::uintptr_t at = a.range->base;
+      for (const auto& pc : a.range->pieces) {
+        if (pc.claimed != nullptr) add_within(pc.home, pc.offset, pc.offset + pc.claimed->size, at);
+        at += pc.size;
+      }
+    }
+  }
+
+  // Nothing queued before now may still use the allocation: the work on `stream`, on its own
+  // stream and on the streams recorded for it has completed.
+  void wait_for_uses([[maybe_unused]] const void* p, [[maybe_unused]] stream_ref stream,
+                     [[maybe_unused]] stream_ref own) {
+    if constexpr (has_events) {
+      auto& events = clocks_.events();
+      const auto wait_on = [&](stream_ref s) {
+        const auto e = events.record(s);
+        events.wait(e);
+        events.recycle(e);
+      };
+      wait_on(stream);
+      if (own != stream) wait_on(own);
+      bool used = false;
+      deferred_.for_each_use(p, [&](stream_ref) { used = true; });
+      // Streams given to record_stream may be gone by now: the device, once.
+      if (used) events.synchronize();
+    }
+  }
+
+  void refuse_capture([[maybe_unused]] const std::string& where, [[maybe_unused]] stream_ref stream,
+                      [[maybe_unused]] stream_ref own) {
+    if constexpr (capture_aware_reserver<Reserver>) {
+      auto& reserver = pool_.backend().reserver();
+      if (reserver.is_capturing(stream) || reserver.is_capturing(own)) {
+        throw usage_error(usage_error::kind::bad_argument,
+                          where + "a stream is capturing a graph: moving memory remaps it at once and would record "
+                                  "its copies in the graph instead of running them; move before or after the capture");
+      }
+    }
+  }
+
+  detail::move_outcome move_sites(std::span<const site_type> sites, bool to_far, bool copy, stream_ref stream) {
+    const auto wait_copies = [&] {
+      if constexpr (has_events) {
+        auto& events = clocks_.events();
+        const auto e = events.record(stream);
+        events.wait(e);
+        events.recycle(e);
+      }
+    };
+    return detail::move_handles(pool_.backend(), *far_, sites, to_far, copy, stream, wait_copies);
+  }
+
+  void move_locked(const char* what, void* p, stream_ref stream, bool to_far) {
+    const auto address = reinterpret_cast<std::uintptr_t>(p);
+    const std::string where = std::string(name) + "::" + what + ": ";
+    if (!far_) throw usage_error(usage_error::kind::bad_argument, where + "no far memory is attached (attach_far_memory)");
+    const auto it = moved_.find(address);
+    const live_allocation a = find_live(address);
+    if ((a.block == nullptr && a.range == nullptr) || (it != moved_.end() && it->second.parked)) {
+      if (small_.owns(p)) {
+        throw usage_error(usage_error::kind::bad_argument,
+                          where + detail::pointer_text(p) + " is a small allocation (at most small_limit, " +
+                              format_bytes(config_.small_limit) +
+                              "): it shares a segment of the small pool and does not move");
+      }
+      throw usage_error(usage_error::kind::foreign_pointer,
+                        where + detail::pointer_text(p) + " is not a live allocation of this allocator");
+    }
+    if (to_far == (it != moved_.end())) {
+      throw usage_error(usage_error::kind::bad_argument,
+                        where + detail::pointer_text(p) + (to_far ? " is offloaded already" : " is not offloaded"));
+    }
+    if (retain_) {
+      throw usage_error(usage_error::kind::bad_argument,
+                        where + "memory is retained (retain_memory: a CUDA graph's private pool), so no mapping may "
+                                "change");
+    }
+    refuse_capture(where, stream, a.stream);
+    std::vector<site_type> sites;
+    std::vector<segment*> homes;
+    if (to_far) {
+      sites_of(a, sites, homes);
+      if (sites.empty()) {
+        throw usage_error(usage_error::kind::bad_argument,
+                          where + detail::pointer_text(p) + " (" + format_bytes(a.requested) +
+                              ") holds no whole handle of its own: its memory shares handles with its neighbours, "
+                              "so none of it can move");
+      }
+    } else {
+      sites = it->second.sites;
+    }
+    std::size_t bytes = 0;
+    for (const site_type& s : sites) bytes += s.slot->size;
+    wait_for_uses(p, stream, a.stream);
+    if constexpr (stitches) {
+      for (std::size_t i = 0; i < homes.size(); ++i) {
+        const std::size_t lo = sites[i].slot->offset;
+        stitcher_.drop_mapping(homes[i], lo, lo + sites[i].slot->size);
+      }
+    }
+    detail::move_outcome r = move_sites(sites, to_far, true, stream);
+    if (r == detail::move_outcome::out_of_memory && !to_far) {
+      // Device memory this allocator caches makes room for the memory coming back.
+      evict_stitches(~std::size_t{0}, true);
+      small_.release_free_segments(~std::size_t{0});
+      if (release_free_segments(bytes) > 0) r = move_sites(sites, to_far, true, stream);
+    }
+    if (r == detail::move_outcome::out_of_memory) {
+      throw out_of_memory(bytes, counters_.s.reserved_bytes, counters_.s.active_bytes,
+                          where + "moving " + format_bytes(bytes) + " of " + detail::pointer_text(p) + " " +
+                              (to_far ? "to far memory: far memory ran out" : "back to the device: the device ran out") +
+                              " (nothing moved; reserved " + format_bytes(counters_.s.reserved_bytes) +
+                              ", offloaded " + format_bytes(counters_.s.offloaded_bytes) + ")");
+    }
+    if (to_far) {
+      counters_.on_move_out(bytes);
+      moved_.emplace(address, moved_allocation{std::move(sites), bytes, false});
+    } else {
+      counters_.on_move_in(bytes);
+      moved_.erase(it);
+    }
+  }
+
+  // A free of an offloaded allocation: its memory back on the device (no copy: the bytes are
+  // dead), making room from the cache if needed; true then, and the free goes on. Without device
+  // memory for it, the allocation is parked instead (false): freed for the caller, its memory
+  // left in far memory until release_cached finds it room.
+  bool bring_back_for_free(typename std::map<std::uintptr_t, moved_allocation>::iterator it, void* p,
+                           std::size_t bytes, stream_ref stream) {
+    const live_allocation a = find_live(it->first);
+#if GLAKE_CHECKED
+    if (a.requested != bytes) detail::throw_size_mismatch(name, p, bytes, a.requested);
+#else
+    (void)bytes;
+#endif
+    moved_allocation& m = it->second;
+    // Work queued before the free may still use the memory: it waits, as a remap must.
+    wait_for_uses(p, stream, a.stream);
+    detail::move_outcome r = detail::move_outcome::out_of_memory;
+    try {
+      r = move_sites(m.sites, false, false, stream);
+      if (r == detail::move_outcome::out_of_memory && !retain_) {
+        evict_stitches(~std::size_t{0}, true);
+        small_.release_free_segments(~std::size_t{0});
+        if (release_free_segments(m.bytes) > 0) r = move_sites(m.sites, false, false, stream);
+      }
+    } catch (...) {
+      r = detail::move_outcome::out_of_memory;  // a free does not fail: park it
+    }
+    if (r == detail::move_outcome::moved) {
+      counters_.on_move_in(m.bytes);
+      moved_.erase(it);
+      return true;
+    }
+    counters_.on_park(a.requested);
+    tell(memory_action::free_completed, it->first, a.requested, stream);
+    if (a.block != nullptr) a.block->requested = 0;
+    if (a.range != nullptr) a.range->requested = 0;
+    m.parked = true;
+    ++parked_;
+    return false;
+  }
+
+  // Parked allocations whose memory can come back to the device now finish their free.
+  void unpark() noexcept {
+    for (auto it = moved_.begin(); it != moved_.end();) {
+      moved_allocation& m = it->second;
+      if (!m.parked) {
+        ++it;
+        continue;
+      }
+      detail::move_outcome r = detail::move_outcome::out_of_memory;
+      try {
+        r = move_sites(m.sites, false, false, default_stream);
+      } catch (...) {
+      }
+      if (r != detail::move_outcome::moved) {
+        ++it;
+        continue;
+      }
+      counters_.on_move_in(m.bytes);
+      const std::uintptr_t address = it->first;
+      it = moved_.erase(it);
+      --parked_;
+      const live_allocation a = find_live(address);
+      if (a.block != nullptr) {
+        counters_.s.allocated_bytes -= a.block->size;
+        pool_.enter_free_queue(pool_.arena().give_back(a.block, clocks_.mark_free(a.block->stream)));
+      } else if constexpr (stitches) {
+        if (a.range != nullptr) stitcher_.release(*a.range, false);
+      }
+    }
+  }
+
   // ------------------------------------------------------------------ reporting
   void tell(memory_action action, std::uintptr_t address, std::size_t size, stream_ref stream) const noexcept {
     if (observer_ != nullptr) observer_(observer_context_, memory_event{action, address, size, stream});
@@ -760,6 +1089,7 @@ class stitching_allocator {
   config config_;
   [[no_unique_address]] Admission admission_;
   detail::usage_counters counters_;
+  std::unique_ptr<far_type> far_;  ///< before pool_: a segment given back releases its far handles
   pool_type pool_;
   std::size_t large_round_;  ///< large_round_to, or the chunk size
   clocks_type clocks_;
@@ -773,6 +1103,8 @@ class stitching_allocator {
   memory_observer observer_ = nullptr;
   void* observer_context_ = nullptr;
   bool retain_ = false;  // retain_memory: nothing released, unmapped or remapped
+  std::map<std::uintptr_t, moved_allocation> moved_;  // allocations in far memory, by address
+  std::size_t parked_ = 0;                            // of them, freed ones
   [[no_unique_address]] mutable Lock lock_;
 };
 
@@ -788,6 +1120,7 @@ static_assert(cache_releasing_allocator<stitching_allocator<detail::provider_arc
 static_assert(partly_cache_releasing_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
 static_assert(completion_releasing_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
 static_assert(peak_resetting_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
+static_assert(offloading_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
 static_assert(stream_recording_allocator<
               stitching_allocator<detail::provider_archetype, detail::evented_reserver_archetype, no_stitching>>);
 

@@ -46,6 +46,21 @@ struct usage_counters {
     s.reserved_bytes -= bytes;
     ++s.segments_released;
   }
+  /// Memory of live allocations left for far memory (offload), or came back (prefetch).
+  void on_move_out(std::size_t bytes) noexcept {
+    s.reserved_bytes -= bytes;
+    s.offloaded_bytes += bytes;
+  }
+  void on_move_in(std::size_t bytes) noexcept {
+    s.reserved_bytes += bytes;
+    s.offloaded_bytes -= bytes;
+    s.peak_reserved_bytes = std::max(s.peak_reserved_bytes, s.reserved_bytes);
+  }
+  /// A freed allocation whose memory stays in far memory for now: no longer active.
+  void on_park(std::size_t requested) noexcept {
+    s.active_bytes -= requested;
+    ++s.deallocations;
+  }
   /// Peaks start again from the current values.
   void reset_peaks() noexcept {
     s.peak_active_bytes = s.active_bytes;

@@ -33,6 +33,15 @@ class deferred_frees {
     uses_.emplace_back(address, stream);
   }
 
+  /// Calls f(stream) for each other stream recorded as using the live allocation at `p`.
+  template <class F>
+  void for_each_use(const void* p, F&& f) const {
+    const auto address = reinterpret_cast<std::uintptr_t>(p);
+    for (const auto& [a, s] : uses_) {
+      if (a == address) f(s);
+    }
+  }
+
   /// Whether a free may have to be deferred or a deferred one finished: any use or pending free.
   bool active() const noexcept { return !pending_.empty() || !uses_.empty(); }
   bool pending() const noexcept { return !pending_.empty(); }

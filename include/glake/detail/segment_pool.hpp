@@ -64,6 +64,11 @@ class segment_pool {
     observer_ = observer;
     observer_context_ = context;
   }
+  /// Who releases far memory's handles in segments given back (see vmm_backend::destroy_segment).
+  void set_far_releaser(typename backend_type::far_releaser release, void* context) noexcept {
+    far_release_ = release;
+    far_context_ = context;
+  }
   /// Tells the observer, if any, of `action` on `size` bytes at `address`.
   void tell(memory_action action, std::uintptr_t address, std::size_t size, stream_ref stream) const noexcept {
     if (observer_ != nullptr) observer_(observer_context_, memory_event{action, address, size, stream});
@@ -115,7 +120,7 @@ class segment_pool {
     free_.erase(*s);
     arena_.remove_segment(b);
     counters_->on_unreserve(s->mapping.size);
-    backend_.destroy_segment(s->mapping);
+    backend_.destroy_segment(s->mapping, far_release_, far_context_);
     segments_.destroy(s);
   }
 
@@ -161,7 +166,7 @@ class segment_pool {
     } catch (...) {
       return;  // out of host memory while tearing down: leak rather than crash
     }
-    for (segment* s : all) backend_.destroy_segment(s->mapping);
+    for (segment* s : all) backend_.destroy_segment(s->mapping, far_release_, far_context_);
   }
 
   static std::size_t chosen_chunk(const config& cfg, std::size_t granularity) {
@@ -194,6 +199,8 @@ class segment_pool {
   std::vector<std::size_t> handle_sizes_;
   memory_observer observer_ = nullptr;
   void* observer_context_ = nullptr;
+  typename backend_type::far_releaser far_release_ = nullptr;
+  void* far_context_ = nullptr;
 };
 
 }  // namespace glake::detail

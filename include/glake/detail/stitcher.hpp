@@ -134,15 +134,21 @@ class stitcher {
     return map_new(size, requested, stream);
   }
 
-  /// A live range was freed: its blocks go back to their segments and it is cached.
-  void release(range& s) noexcept {
+  /// A live range was freed: its blocks go back to their segments and it is cached. `counted`
+  /// false: its free was counted already (an allocation freed while offloaded, whose memory came
+  /// back since), only its bytes leave allocated_bytes.
+  void release(range& s, bool counted = true) noexcept {
     const std::uint64_t mark = clocks_->mark_free(s.stream);
     for (piece& pc : s.pieces) {
       if (pc.claimed == nullptr) continue;
       pool_->enter_free_queue(pool_->arena().give_back(pc.claimed, mark));
       pc.claimed = nullptr;
     }
-    counters_->on_deallocate(s.requested, s.claimed_bytes);
+    if (counted) {
+      counters_->on_deallocate(s.requested, s.claimed_bytes);
+    } else {
+      counters_->s.allocated_bytes -= s.claimed_bytes;
+    }
     s.live = false;
     s.requested = 0;
     s.claimed_bytes = 0;
@@ -196,6 +202,30 @@ class stitcher {
         }
       }
     }
+  }
+
+  /// Drops the cached ranges that map any of the bytes [lo, hi) of `home` (an allocation there
+  /// is about to have its handles replaced), once the work queued before their frees completed.
+  /// Not while frozen: the allocator moves nothing then. Returns how many it dropped.
+  std::size_t drop_mapping(segment* home, std::size_t lo, std::size_t hi) noexcept {
+    std::size_t dropped = 0;
+    for (auto it = cache_.begin(); it != cache_.end();) {
+      range& s = *it++;
+      if (s.live) continue;
+      bool maps = false;
+      for (const piece& pc : s.pieces) maps = maps || (pc.home == home && pc.offset < hi && lo < pc.offset + pc.size);
+      if (!maps) continue;
+      if constexpr (Clocks::has_events) {
+        if (s.has_free_event) {
+          clocks_->events().wait(s.free_event);
+        } else {
+          clocks_->events().synchronize();
+        }
+      }
+      drop(&s);
+      ++dropped;
+    }
+    return dropped;
   }
 
   /// At destruction (the device synchronized): every range unmapped, live ones too (a live one

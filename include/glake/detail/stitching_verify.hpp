@@ -28,7 +28,12 @@ void stitching_allocator<Provider, Reserver, Stitch, Evict, Lock, Admission, Gro
     if (b.size == 0 || b.size % unit != 0 || (b.address - m.base) % unit != 0) {
       fail("block not a whole multiple of large_round_to");
     }
-    if (b.address == m.base) reserved += m.size;
+    if (b.address == m.base) {
+      reserved += m.size;
+      for (std::size_t i = 0; i < m.count; ++i) {
+        if (m.slots[i].far) reserved -= m.slots[i].size;  // offloaded: far memory's, not reserved
+      }
+    }
     if (b.free) {
       free_bytes += b.size;
       if (b.size == m.size) ++free_segments;
@@ -90,6 +95,19 @@ void stitching_allocator<Provider, Reserver, Stitch, Evict, Lock, Admission, Gro
     fail("reserved bytes disagree with segments");
   }
   if (free_segments != pool_.free_segments()) fail("free segment queue disagrees with free segments");
+  std::size_t moved_bytes = 0, parked = 0;
+  for (const auto& [address, m] : moved_) {
+    std::size_t bytes = 0;
+    for (const auto& site : m.sites) {
+      if (!site.slot->far) fail("an offloaded allocation's handle is not far memory's");
+      bytes += site.slot->size;
+    }
+    if (bytes != m.bytes) fail("an offloaded allocation's bytes disagree with its handles");
+    moved_bytes += bytes;
+    parked += m.parked ? 1 : 0;
+  }
+  if (moved_bytes != counters_.s.offloaded_bytes) fail("offloaded bytes disagree with offloaded allocations");
+  if (parked != parked_) fail("parked allocations miscounted");
   if (small_blocks * config_.small_segment != small_.stats_unlocked().reserved_bytes) {
     fail("small pool's segments disagree with blocks lent to it");
   }

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <utility>
@@ -16,12 +17,15 @@
 
 namespace glake::detail {
 
-/// One physical handle of a segment: where it is mapped in the segment, and its size.
+/// One physical handle of a segment: where it is mapped in the segment, and its size. `far`: the
+/// handle is not the provider's but far memory's (an offloaded allocation's), which its owner
+/// releases; the segment's own accounting leaves it out.
 template <class Handle>
 struct handle_slot {
   Handle handle{};
   std::size_t offset = 0;
   std::size_t size = 0;
+  bool far = false;
 };
 
 /// A reservation with physical handles mapped back to back, in offset order. Handles may differ
@@ -147,17 +151,65 @@ class vmm_backend {
     return true;
   }
 
-  /// Unmaps, frees and releases everything of a segment made by try_create_segment.
-  void destroy_segment(segment_type& segment) noexcept {
+  /// Who releases far slots' handles when their segment goes (the allocator that moved them).
+  using far_releaser = void (*)(void* context, handle_type handle) noexcept;
+
+  /// Unmaps, frees and releases everything of a segment made by try_create_segment. A far slot's
+  /// handle goes to `release_far(context, handle)` (not the provider's, not counted in
+  /// physical_bytes).
+  void destroy_segment(segment_type& segment, far_releaser release_far = nullptr, void* context = nullptr) noexcept {
     void* base = reinterpret_cast<void*>(segment.base);
     for (std::size_t i = 0; i < segment.count; ++i) {
       unmap(static_cast<char*>(base) + segment.slots[i].offset, segment.slots[i].size);
     }
     free_range(base, segment.size);
-    for (std::size_t i = 0; i < segment.count; ++i) release(segment.slots[i].handle);
-    physical_bytes_ -= segment.size;
+    std::size_t own = 0;
+    for (std::size_t i = 0; i < segment.count; ++i) {
+      if (segment.slots[i].far) {
+        if (release_far != nullptr) release_far(context, segment.slots[i].handle);
+        continue;
+      }
+      release(segment.slots[i].handle);
+      own += segment.slots[i].size;
+    }
+    physical_bytes_ -= own;
     segment = segment_type{};
   }
+
+  // --- single handles, for moving an allocation's memory (each call metered) ---
+
+  /// A new handle of the provider's, counted in physical_bytes; empty when the limit or the
+  /// provider is out of memory.
+  std::optional<handle_type> try_create_handle(std::size_t bytes) {
+    if (!may_add(bytes)) return std::nullopt;
+    auto h = meter_(driver_call::create, [&] { return provider_.try_create(bytes); });
+    if (h) physical_bytes_ += bytes;
+    return h;
+  }
+  /// Gives back a handle of try_create_handle (or of a segment's slot, which then is the
+  /// caller's to forget).
+  void release_handle(handle_type& handle, std::size_t bytes) noexcept {
+    release(handle);
+    physical_bytes_ -= bytes;
+  }
+  void* try_reserve_range(std::size_t bytes) {
+    return meter_(driver_call::reserve, [&] { return reserver_.try_reserve(bytes); });
+  }
+  void free_reserved_range(void* base, std::size_t bytes) noexcept { free_range(base, bytes); }
+  /// Maps `handle` (`bytes`, of this provider's or of far memory: the reserver maps both) at
+  /// `at` and grants access; false when out of mapping resources, with nothing left mapped.
+  bool try_map_handle(void* at, std::size_t bytes, handle_type handle) {
+    if (!map(at, handle_slot<handle_type>{handle, 0, bytes, false})) return false;
+    try {
+      if (set_access(at, bytes)) return true;
+    } catch (...) {
+      unmap(at, bytes);
+      throw;
+    }
+    unmap(at, bytes);
+    return false;
+  }
+  void unmap_handle(void* at, std::size_t bytes) noexcept { unmap(at, bytes); }
 
   /// Reserves a fresh range of at least `reserve` bytes and maps the given handles side by side
   /// at its start: a stitched range. Addresses past the handles stay reserved, unmapped, so that

@@ -640,10 +640,13 @@ def _movable_call(name, tensors, stream):
 
 
 def offload(tensors, stream=None):
-    """Moves the movable buffer under a tensor (made by movable_empty), or under each of a list
-    of them, to host memory, ordered on `stream` (default: the current stream): the device memory
-    is free when this returns; the tensors and their data_ptr() stay, and kernels may still read
-    them, over the bus. ValueError for a tensor not over a movable buffer or already offloaded;
+    """Moves the memory under a tensor, or under each of a list of them, to host memory, ordered
+    on `stream` (default: the current stream): the device memory is free when this returns; the
+    tensors and their data_ptr() stay, and kernels may still read them, over the bus. A tensor
+    over a movable buffer (movable_empty) moves whole; any other tensor that glake's allocator
+    holds (its storage of at least 2 MiB, outside a CUDA graph's pool) moves its whole 2 MiB
+    handles, the bytes it shares with neighbouring blocks staying on the device. ValueError for a
+    tensor neither is, one already offloaded, or a small one (glake's small pool does not move);
     torch.cuda.OutOfMemoryError when host memory runs out (nothing of that buffer moved). The
     call holds no Python lock while it waits: run it on a helper thread to overlap it with work."""
     _movable_call("offload", tensors, stream)
@@ -657,7 +660,8 @@ def prefetch(tensors, stream=None):
 
 
 def residence(tensor):
-    """"device" or "host" for a tensor over a movable buffer, None for any other."""
+    """"device" or "host" for a tensor over a movable buffer or glake's allocator, None for any
+    other."""
     return _RESIDENCE.get(load().glake_residence(_pointer(tensor)))
 
 

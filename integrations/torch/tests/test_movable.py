@@ -76,8 +76,8 @@ class MovableTest(unittest.TestCase):
         outside = lib.glake_malloc(6 * MiB, 0, None)
         self.assertEqual(glake_torch.residence(big), "device")
         self.assertEqual(glake_torch.residence(again), "device")
-        for p in (small, ordinary, outside):
-            self.assertIsNone(glake_torch.residence(p))
+        for p in (small, ordinary, outside):  # the allocator's own blocks: on the device
+            self.assertEqual(glake_torch.residence(p), "device")
         glake_torch.offload(big)
         self.assertEqual(glake_torch.residence(big), "host")
         stats = glake_torch.movable_stats()
@@ -103,10 +103,33 @@ class MovableTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             glake_torch.movable_allocations(0)
 
+    def test_the_allocators_own_blocks_move_too(self):
+        lib = self.lib
+        big = lib.glake_malloc(64 * MiB, 0, None)
+        small = lib.glake_malloc(4096, 0, None)
+        self.assertEqual(glake_torch.residence(big), "device")
+        glake_torch.offload(big)
+        self.assertEqual(glake_torch.residence(big), "host")
+        with self.assertRaises(ValueError) as caught:
+            glake_torch.offload(big)
+        self.assertIn("offloaded already", str(caught.exception))
+        with self.assertRaises(ValueError) as caught:
+            glake_torch.offload(small)
+        self.assertIn("small allocation", str(caught.exception))
+        with self.assertRaises(ValueError):
+            glake_torch.offload(big + 4096)  # inside, not the allocation's first address
+        glake_torch.prefetch([big])
+        self.assertEqual(glake_torch.residence(big), "device")
+        glake_torch.offload(big)
+        lib.glake_free(big, 64 * MiB, 0, None)  # freed while offloaded: an ordinary free
+        self.assertIsNone(glake_torch.residence(big))
+        lib.glake_free(small, 4096, 0, None)
+        self.assertEqual(glake_torch.movable_stats()["buffers"], self.before["buffers"])
+
     def test_misuse_and_exhaustion_are_clear_errors(self):
         with self.assertRaises(ValueError) as caught:
             glake_torch.offload(0x1234000)
-        self.assertIn("not inside a movable buffer", str(caught.exception))
+        self.assertIn("not a live allocation", str(caught.exception))
         self.assertIsNone(glake_torch.residence(0x1234000))
         self.assertEqual(self.lib.glake_movable_destroy(0x1234000), -1)
         with self.assertRaises(MemoryError):  # the simulated device has 80 GiB
