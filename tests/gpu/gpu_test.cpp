@@ -387,3 +387,45 @@ TEST_CASE("gpu: a peer named to the reserver reads and writes a stitched block o
   allocator.deallocate(b, 32 * M);
   allocator.verify();
 }
+
+TEST_CASE("gpu: the stitching allocator offloads a block and a stitched block to host memory and back") {
+  REQUIRE(cudaFree(nullptr) == cudaSuccess);
+  config cfg;
+  cfg.frag_limit = 0;  // stitch whatever no free block serves
+  cuda_stitching allocator(cuda_provider(0), cuda_reserver(0), cfg);
+  allocator.attach_far_memory(cuda_host_provider(0), cuda_copier{});
+  const std::size_t M = MiB;
+  void* plain = allocator.allocate(256 * M);
+  REQUIRE(gpu_test::fill(plain, 256 * M, 71) == cudaSuccess);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  const std::size_t free_before = gpu_test::device_free_bytes();
+  allocator.offload(plain);
+  CHECK(allocator.residence_of(plain) == residence::host);
+  CHECK(gpu_test::device_free_bytes() >= free_before + 250 * M);  // the device memory went back
+  CHECK(gpu_test::mismatches(plain, 256 * M, 71) == 0);           // read over the bus
+  REQUIRE(gpu_test::fill(plain, 256 * M, 72) == cudaSuccess);     // and written
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  allocator.prefetch(plain);
+  CHECK(gpu_test::mismatches(plain, 256 * M, 72) == 0);
+  allocator.verify();
+
+  // A stitched block: four freed 64 MiB blocks, the device's cache full of them.
+  std::vector<void*> blocks;
+  for (int i = 0; i < 8; ++i) blocks.push_back(allocator.allocate(64 * M));
+  for (int i = 0; i < 8; i += 2) allocator.deallocate(blocks[i], 64 * M);
+  allocator.set_memory_limit(allocator.reserved_bytes());  // no growth: only a stitch serves it
+  void* stitched = allocator.allocate(256 * M);
+  REQUIRE(allocator.stats().stitches >= 1);
+  REQUIRE(gpu_test::fill(stitched, 256 * M, 73) == cudaSuccess);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  allocator.offload(stitched);
+  CHECK(gpu_test::mismatches(stitched, 256 * M, 73) == 0);
+  allocator.set_memory_limit(0);
+  allocator.prefetch(stitched);
+  CHECK(gpu_test::mismatches(stitched, 256 * M, 73) == 0);
+  allocator.verify();
+  allocator.deallocate(stitched, 256 * M);
+  for (int i = 1; i < 8; i += 2) allocator.deallocate(blocks[i], 64 * M);
+  allocator.deallocate(plain, 256 * M);
+  allocator.verify();
+}
