@@ -611,6 +611,49 @@ TEST_CASE("dedup: with the broker killed, clients keep private copies and say so
   CHECK(mine.holds(13));
 }
 
+TEST_CASE("dedup: references of a dead broker's connection are never released on a new broker") {
+  temp_dir dir;
+  std::vector<std::string> messages;
+  dedup_client<> client(dir.socket(), test_options([&](std::string_view m) { messages.emplace_back(m); }));
+  range old_range(piece, 81);
+  {
+    broker_process first(dir.socket());
+    REQUIRE(client.publish(old_range.data, old_range.bytes).stored == 1);
+    first.kill();
+  }
+  broker_process second(dir.socket());
+  range fresh(piece, 82);
+  REQUIRE(client.publish(fresh.data, fresh.bytes).stored == 1);  // reconnects at once
+  CHECK(client.objects_of(fresh.data) == client.objects_of(old_range.data));  // both id 1, of two brokers
+  client.make_private(old_range.data, old_range.bytes);  // must not release fresh's reference
+  CHECK(old_range.holds(81));
+  auto s = stats_at(dir.socket());
+  REQUIRE(s);
+  CHECK(s->objects == 1);
+  CHECK(s->references == 1);
+  CHECK(messages.empty());  // the broker was never missing when asked
+}
+
+TEST_CASE("dedup: a forked child uses a connection of its own, never its parent's references") {
+  temp_dir dir;
+  broker_process broker(dir.socket());
+  dedup_client<> client(dir.socket(), test_options());
+  range a(2 * piece, 91);
+  REQUIRE(client.publish(a.data, a.bytes).stored == 2);
+  const int status = wait_for(spawn([&] {
+    range b(piece, 92);
+    if (client.publish(b.data, b.bytes).stored != 1) return 1;
+    client.make_private(a.data, a.bytes);  // the child's copy: the parent's references stay
+    a.fill(93);
+    return a.holds(93) && b.holds(92) ? 0 : 2;
+  }));
+  CHECK(exited_with(status, 0));
+  CHECK(a.holds(91));
+  CHECK(eventually(dir.socket(), [](const dd::broker_stats& s) { return s.objects == 2 && s.references == 2; }));
+  range c(piece, 94);
+  CHECK(client.publish(c.data, c.bytes).stored == 1);  // the parent's connection still works
+}
+
 TEST_CASE("dedup: a write to shared memory faults without reaching other processes") {
   temp_dir dir;
   broker_process broker(dir.socket());

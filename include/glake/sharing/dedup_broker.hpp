@@ -59,6 +59,8 @@ struct dedup_broker_options {
   std::size_t max_objects = std::size_t{1} << 20;
   /// The most connections at once; later ones get an error and are closed.
   std::size_t max_clients = 4096;
+  /// The largest object one publish may offer: a bound on the bytes one comparison reads.
+  std::uint64_t max_object_bytes = std::uint64_t{4} << 30;
   /// The most different objects indexed under one (digest, size) key: a bound on the byte
   /// comparisons one publish costs, whatever digests clients claim.
   std::size_t max_collisions = 8;
@@ -297,6 +299,10 @@ class basic_dedup_broker {
   }
 
   bool publish(client& c, std::uint32_t request, const dedup::publish_request& q, detail::unique_fd fd) {
+    if (q.bytes > options_.max_object_bytes) {
+      return reply_error(c, request, dedup::errc::bad_size,
+                         "objects of at most " + std::to_string(options_.max_object_bytes) + " bytes are accepted");
+    }
     if (const char* why = verifier_.check(fd.get(), q.bytes)) {
       return reply_error(c, request, dedup::errc::bad_descriptor, why);
     }

@@ -108,6 +108,7 @@ class dedup_client {
   /// class comment. Throws usage_error for misuse; broker trouble is reported, not thrown.
   publish_result publish(void* p, std::size_t bytes) {
     std::lock_guard lock(mutex_);
+    leave_parent_connection();
     check_range("publish", p, bytes);
     const auto start = reinterpret_cast<std::uintptr_t>(p);
     if (overlaps(start, bytes)) {
@@ -150,12 +151,13 @@ class dedup_client {
   /// private, the rest still published (make_private again finishes the job).
   void make_private(void* p, std::size_t bytes) {
     std::lock_guard lock(mutex_);
+    leave_parent_connection();
     auto it = find_range("make_private", p, bytes);
     auto& pieces = it->second.pieces;
     while (!pieces.empty()) {
       const piece& last = pieces.back();
       backend_.make_private(static_cast<char*>(p) + last.offset, last.bytes);
-      send_release(last.object);
+      send_release(last);
       pieces.pop_back();
     }
     ranges_.erase(it);
@@ -166,10 +168,11 @@ class dedup_client {
   /// published, and nothing else.
   void release(void* p, std::size_t bytes) {
     std::lock_guard lock(mutex_);
+    leave_parent_connection();
     auto it = find_range("release", p, bytes);
     for (const piece& x : it->second.pieces) {
       backend_.discard(static_cast<char*>(p) + x.offset, x.bytes);
-      send_release(x.object);
+      send_release(x);
     }
     ranges_.erase(it);
   }
@@ -200,6 +203,7 @@ class dedup_client {
   /// The broker's counters; nullopt when it cannot be reached.
   std::optional<dedup::broker_stats> broker_statistics() {
     std::lock_guard lock(mutex_);
+    leave_parent_connection();
     std::string why;
     if (!ensure_connected(why)) return std::nullopt;
     auto answer = round_trip(dedup::encode(dedup::stats_request{}, next_request()), -1, why);
@@ -214,6 +218,7 @@ class dedup_client {
     std::size_t bytes = 0;
     std::uint64_t object = 0;
     bool shared = false;
+    std::uint64_t connection = 0;  // which connection holds its reference (connection_)
   };
   struct published_range {
     std::size_t bytes = 0;
@@ -248,6 +253,15 @@ class dedup_client {
     return it;
   }
 
+  // In a child made by fork, the connection (and every reference) is the parent's: close the
+  // child's copy of the socket, so the child speaks on a connection of its own.
+  void leave_parent_connection() noexcept {
+    if (pid_ == ::getpid()) return;
+    pid_ = ::getpid();
+    socket_.reset();
+    ++connection_;
+  }
+
   void note_unavailable(const std::string& why) {
     if (reported_) return;
     reported_ = true;
@@ -268,7 +282,11 @@ class dedup_client {
   // Connects and says hello unless connected; false with the reason when the broker cannot be
   // reached or refuses.
   bool ensure_connected(std::string& why) {
-    if (socket_) return true;
+    // Between round trips nothing is due from the broker: a readable or hung-up socket means
+    // it closed (it died, or restarted): connect again instead of failing the next request.
+    if (socket_ && !detail::wait_readable(socket_.get(), 0)) return true;
+    socket_.reset();
+    ++connection_;  // ids of an earlier connection (or broker) mean nothing on this one
     detail::unique_fd fd = detail::connect_unix(path_);
     if (!fd) {
       why = "connect: " + detail::errno_text(errno);
@@ -385,10 +403,10 @@ class dedup_client {
       backend_.map_readonly(at, bytes, shared ? received.get() : own.get());
     } catch (const std::exception& e) {
       why = std::string("mapping the shared copy failed: ") + e.what();
-      send_release(p->object);
+      send_release(piece{0, bytes, p->object, shared, connection_});
       return std::nullopt;
     }
-    return piece{0, bytes, p->object, shared};
+    return piece{0, bytes, p->object, shared, connection_};
   }
 
   // Request ids run from 1: 0 marks an error about the connection itself.
@@ -397,10 +415,12 @@ class dedup_client {
     return request_;
   }
 
-  void send_release(std::uint64_t object) {
-    if (!socket_) return;  // the references went with the connection
+  // Drops x's reference, if the connection that took it is still open: the references of a
+  // closed one went with it, and its ids may name other objects on a new connection.
+  void send_release(const piece& x) {
+    if (!socket_ || x.connection != connection_) return;
     std::string why;
-    auto answer = round_trip(dedup::encode(dedup::release_request{object}, next_request()), -1, why);
+    auto answer = round_trip(dedup::encode(dedup::release_request{x.object}, next_request()), -1, why);
     if (!answer) note_unavailable(why);
   }
 
@@ -411,6 +431,8 @@ class dedup_client {
   mutable std::mutex mutex_;
   // Under the mutex:
   detail::unique_fd socket_;
+  std::uint64_t connection_ = 0;  // counts connections: a reference belongs to one
+  pid_t pid_ = ::getpid();        // the process whose connection socket_ is
   std::uint32_t request_ = 0;
   bool reported_ = false;
   std::map<std::uintptr_t, published_range> ranges_;
