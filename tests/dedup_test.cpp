@@ -341,6 +341,17 @@ TEST_CASE_TEMPLATE("dedup: content_verifier conformance", V, host_content_verifi
   ::close(p[0]);
   ::close(p[1]);
   CHECK(v.check(-1, n) != nullptr);
+  // A sparse object (never written) reads as zeros, without pages allocated for the holes.
+  detail::unique_fd sparse(::memfd_create("sparse", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  REQUIRE(::ftruncate(sparse.get(), static_cast<off_t>(n)) == 0);
+  REQUIRE(::fcntl(sparse.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE) == 0);
+  CHECK(v.check(sparse.get(), n) == nullptr);
+  detail::unique_fd zeros = sealed_copy(n, 0);
+  CHECK(v.equal(sparse.get(), zeros.get(), n) == 1);
+  CHECK(v.equal(sparse.get(), a.get(), n) == 0);
+  struct stat info {};
+  REQUIRE(::fstat(sparse.get(), &info) == 0);
+  CHECK(info.st_blocks == 0);
 }
 
 // --- the protocol ----------------------------------------------------------------------------------

@@ -252,7 +252,9 @@ class basic_dedup_broker {
   // the framing or does not take its replies.
   void serve(int fd) {
     std::byte buffer[dedup::max_message_bytes + 1];
-    for (;;) {
+    // At most a few messages per connection and poll, so that one busy client cannot starve
+    // the others; the rest wait for the next poll.
+    for (int served = 0; served < 16; ++served) {
       auto it = clients_.find(fd);
       if (it == clients_.end()) return;
       // Room for more descriptors than any request takes, so that a client sending two is

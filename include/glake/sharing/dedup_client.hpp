@@ -115,8 +115,18 @@ class dedup_client {
       throw usage_error(usage_error::kind::bad_argument,
                         "glake::dedup_client::publish: the range overlaps a range published already");
     }
+    // The record first, with room for every piece: nothing below allocates for it, so a piece
+    // once remapped is always on record for make_private and release.
+    const std::size_t count = (bytes + options_.chunk_bytes - 1) / options_.chunk_bytes;
+    auto record = ranges_.emplace(start, published_range{bytes, {}}).first;
+    try {
+      record->second.pieces.reserve(count);
+    } catch (...) {
+      ranges_.erase(record);
+      throw;
+    }
+    std::vector<piece>& pieces = record->second.pieces;
     publish_result result;
-    published_range range{bytes, {}};
     std::string down;  // why the broker cannot be used for the rest of this call
     if (!ensure_connected(down)) note_unavailable(down);
     for (std::size_t offset = 0; offset < bytes; offset += options_.chunk_bytes) {
@@ -139,9 +149,8 @@ class dedup_client {
       (done->shared ? result.shared : result.stored) += 1;
       if (done->shared) result.shared_bytes += n;
       done->offset = offset;
-      range.pieces.push_back(*done);
+      pieces.push_back(*done);
     }
-    ranges_.emplace(start, std::move(range));
     return result;
   }
 
