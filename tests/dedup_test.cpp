@@ -15,6 +15,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -917,6 +918,33 @@ TEST_CASE("dedup: a broker out of descriptors refuses pieces and keeps serving")
   client.release(many.data, many.bytes);
   range later(piece, 71);
   CHECK(client.publish(later.data, later.bytes).stored == 1);
+}
+
+TEST_CASE("dedup: a client out of descriptors keeps its pieces private and says why") {
+  temp_dir dir;
+  broker_process broker(dir.socket());
+  const int status = wait_for(spawn([&] {
+    dedup_client<> client(dir.socket(), test_options());
+    range mine(2 * piece, 101);
+    range first(piece, 102);
+    if (client.publish(first.data, first.bytes).stored != 1) return 1;  // connected
+    // No descriptor left for an exported copy: every piece stays private, the bytes intact.
+    rlimit limit{};
+    ::getrlimit(RLIMIT_NOFILE, &limit);
+    limit.rlim_cur = std::min<rlim_t>(limit.rlim_cur, 256);  // few to fill, whatever the system allows
+    ::setrlimit(RLIMIT_NOFILE, &limit);
+    std::vector<int> hog;
+    for (int fd; (fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0;) hog.push_back(fd);
+    const publish_result r = client.publish(mine.data, mine.bytes);
+    for (int fd : hog) ::close(fd);
+    if (r.kept_private != 2 || r.reason.find("EMFILE") == std::string::npos || !mine.holds(101)) {
+      std::fprintf(stderr, "kept_private %zu, reason: %s\n", r.kept_private, r.reason.c_str());
+      return 2;
+    }
+    range again(piece, 103);
+    return client.publish(again.data, again.bytes).stored == 1 ? 0 : 3;  // and works again after
+  }));
+  CHECK(exited_with(status, 0));
 }
 
 TEST_CASE("dedup: one broker per socket path, and a stale socket is replaced") {
