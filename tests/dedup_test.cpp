@@ -139,6 +139,7 @@ class broker_process {
   ~broker_process() {
     if (pid_ > 0) kill();
   }
+  pid_t pid() const { return pid_; }
   int stop() {
     stop_.put('S');
     const int status = wait_for(pid_);
@@ -664,6 +665,31 @@ TEST_CASE("dedup: a forked child uses a connection of its own, never its parent'
   CHECK(eventually(dir.socket(), [](const dd::broker_stats& s) { return s.objects == 2 && s.references == 2; }));
   range c(piece, 94);
   CHECK(client.publish(c.data, c.bytes).stored == 1);  // the parent's connection still works
+}
+
+TEST_CASE("dedup: a broker that stops answering counts as gone after the timeout") {
+  temp_dir dir;
+  broker_process broker(dir.socket());
+  std::vector<std::string> messages;
+  dedup_client_options options = test_options([&](std::string_view m) { messages.emplace_back(m); });
+  options.timeout_ms = 300;
+  dedup_client<> client(dir.socket(), options);
+  range first(piece, 111);
+  REQUIRE(client.publish(first.data, first.bytes).stored == 1);
+  REQUIRE(::kill(broker.pid(), SIGSTOP) == 0);
+  int stopped = 0;
+  REQUIRE(::waitpid(broker.pid(), &stopped, WUNTRACED) == broker.pid());  // stopped for sure
+  REQUIRE(WIFSTOPPED(stopped));
+  range second(2 * piece, 112);
+  const publish_result r = client.publish(second.data, second.bytes);
+  CHECK(r.kept_private == 2);
+  CHECK(r.reason.find("did not answer") != std::string::npos);
+  CHECK(second.holds(112));
+  CHECK(messages.size() == 1);
+  REQUIRE(::kill(broker.pid(), SIGCONT) == 0);
+  range third(piece, 113);
+  CHECK(client.publish(third.data, third.bytes).stored == 1);  // back once it answers
+  CHECK(first.holds(111));
 }
 
 TEST_CASE("dedup: a write to shared memory faults without reaching other processes") {

@@ -110,13 +110,25 @@ inline socklen_t unix_address(const std::string& path, sockaddr_un& address) {
   return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + path.size() + 1);
 }
 
-/// A connected SOCK_SEQPACKET socket to `path` (close-on-exec, blocking); an empty unique_fd
-/// with errno set when connect fails (ENOENT, ECONNREFUSED: nobody listens there).
-inline unique_fd connect_unix(const std::string& path) {
+/// Sets a socket's send and receive timeouts (0: none), after which a blocking call gives
+/// EAGAIN. On a Unix socket the send timeout also bounds connect.
+inline void set_socket_timeouts(int socket, int milliseconds) noexcept {
+  timeval tv{};
+  tv.tv_sec = milliseconds / 1000;
+  tv.tv_usec = (milliseconds % 1000) * 1000;
+  ::setsockopt(socket, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  ::setsockopt(socket, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+}
+
+/// A connected SOCK_SEQPACKET socket to `path` (close-on-exec, blocking, with send and receive
+/// timeouts of `timeout_ms`, 0: none); an empty unique_fd with errno set when connect fails
+/// (ENOENT, ECONNREFUSED: nobody listens there; EAGAIN: its backlog stayed full that long).
+inline unique_fd connect_unix(const std::string& path, int timeout_ms = 0) {
   sockaddr_un address;
   const socklen_t length = unix_address(path, address);
   unique_fd fd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
   if (!fd) return fd;
+  if (timeout_ms > 0) set_socket_timeouts(fd.get(), timeout_ms);
   int result;
   do {
     result = ::connect(fd.get(), reinterpret_cast<const sockaddr*>(&address), length);
@@ -127,16 +139,6 @@ inline unique_fd connect_unix(const std::string& path) {
     errno = error;
   }
   return fd;
-}
-
-/// Sets a socket's send and receive timeouts (0: none), after which a blocking call gives
-/// EAGAIN.
-inline void set_socket_timeouts(int socket, int milliseconds) noexcept {
-  timeval tv{};
-  tv.tv_sec = milliseconds / 1000;
-  tv.tv_usec = (milliseconds % 1000) * 1000;
-  ::setsockopt(socket, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  ::setsockopt(socket, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
 }
 
 /// Sends one message with up to four descriptors (SCM_RIGHTS). Returns 0 or the errno

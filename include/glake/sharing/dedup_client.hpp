@@ -33,7 +33,8 @@ struct dedup_client_options {
   /// this size (the last one shorter). A multiple of the backend's granularity. Each piece the
   /// broker keeps costs it one file descriptor.
   std::size_t chunk_bytes = 2 * MiB;
-  /// A broker that does not answer within this long counts as gone.
+  /// A broker that does not take a connection or answer within this long counts as gone (a
+  /// stopped broker costs each publish call up to this long).
   int timeout_ms = 30000;
   /// The user the broker must run as (checked with SO_PEERCRED on connect); root is accepted
   /// too. Default: this process's effective user.
@@ -296,7 +297,7 @@ class dedup_client {
     if (socket_ && !detail::wait_readable(socket_.get(), 0)) return true;
     socket_.reset();
     ++connection_;  // ids of an earlier connection (or broker) mean nothing on this one
-    detail::unique_fd fd = detail::connect_unix(path_);
+    detail::unique_fd fd = detail::connect_unix(path_, options_.timeout_ms);
     if (!fd) {
       why = "connect: " + detail::errno_text(errno);
       return false;
@@ -310,7 +311,6 @@ class dedup_client {
       why = "the broker runs as uid " + std::to_string(broker.uid) + ", not " + std::to_string(options_.broker_uid);
       return false;
     }
-    detail::set_socket_timeouts(fd.get(), options_.timeout_ms);
     socket_ = std::move(fd);
     auto answer = round_trip(dedup::encode(dedup::hello_request{}, next_request()), -1, why);
     if (!answer) return false;
