@@ -7,6 +7,9 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <utility>
+
+#include "glake/detail/unix_socket.hpp"
 
 namespace glake {
 
@@ -78,24 +81,33 @@ concept shareable_backend = requires(B& b, const B& cb, void* p, const void* cp,
 // content_verifier (broker side)
 //
 // What the broker asks of a descriptor a client sent before it may index it or hand anything
-// back: that it names an immutable object of the claimed size, and whether two objects hold the
-// same bytes. Neither may trust the client: a descriptor may name a pipe, a file that is still
-// writable, or an object shorter than claimed, and none of that may crash the broker (no SIGBUS
-// from mapping past an end) or share memory.
+// back: that it names an object of the claimed size the broker can read, whether two objects
+// hold the same bytes, and what to index when the object is new. None of it may trust the
+// client: a descriptor may name a pipe, a file that is still writable, or an object shorter than
+// claimed, and none of that may crash the broker (no SIGBUS from mapping past an end) or share
+// memory. The object indexed must be one no client can change afterwards: where the client's
+// own object is immutable (a sealed memfd) it is indexed as it is; where it is not (device memory
+// exported by its owner), adopt copies it into memory of the broker's own.
 //
-// | expression            | returns     | throws | meaning
-// |-----------------------|-------------|--------|-----------------------------------------------
-// | cv.check(fd, n)       | const char* | no     | null when fd names an immutable object of
-// |                       |             |        | exactly n bytes; else why not ("not sealed")
-// | cv.equal(a, b, n)     | int         | no     | 1: the first n bytes of a and b are equal;
-// |                       |             |        | 0: they differ; -1: they could not be read
+// | expression               | returns          | throws | meaning
+// |--------------------------|------------------|--------|--------------------------------------
+// | cv.check(fd, n)          | const char*      | no     | null when fd names an object of
+// |                          |                  |        | exactly n bytes fit to compare and
+// |                          |                  |        | adopt; else why not ("not sealed")
+// | cv.equal(a, b, n)        | int              | no     | 1: the first n bytes of a (indexed)
+// |                          |                  |        | and b (a client's) are equal; 0: they
+// |                          |                  |        | differ; -1: they could not be read
+// | v.adopt(std::move(u), n) | detail::unique_fd| no     | the object to index for the client's
+// |                          |                  |        | u: u itself when immutable, else a
+// |                          |                  |        | copy; empty when that failed
 //
 // Model: host_content_verifier (sharing/host_sharing.hpp).
 // ---------------------------------------------------------------------------------------------
 template <class V>
-concept content_verifier = requires(const V& cv, int fd, std::size_t n) {
+concept content_verifier = requires(V& v, const V& cv, int fd, std::size_t n, detail::unique_fd&& owned) {
   { cv.check(fd, n) } noexcept -> std::same_as<const char*>;
   { cv.equal(fd, fd, n) } noexcept -> std::same_as<int>;
+  { v.adopt(std::move(owned), n) } noexcept -> std::same_as<detail::unique_fd>;
 };
 
 }  // namespace glake

@@ -71,11 +71,12 @@ struct dedup_broker_options {
 //
 // Listens on a SOCK_SEQPACKET Unix socket (one message per packet, so framing needs no length
 // prefix and a short or long packet is detectable) and serves connections from one thread with
-// poll. A publish carries the client's own immutable object (a descriptor) with its size and
-// digest; the broker checks the descriptor (Verifier::check: immutable, exactly that size), then
+// poll. A publish carries the client's own object (a descriptor) with its size and digest; the
+// broker checks the descriptor (Verifier::check: exactly that size, fit to compare), then
 // compares it byte for byte (Verifier::equal) with each indexed object of the same digest and
 // size. On a match the client gets the indexed object's descriptor and a reference to it; else
-// its own object is indexed and it holds the first reference. A client is therefore never sent
+// its object is indexed (Verifier::adopt: as it is when immutable, else a copy no client can
+// write) and it holds the first reference. A client is therefore never sent
 // a descriptor of bytes it did not send itself. Each connection's references are counted;
 // release drops one, and a connection that closes (the process exited or died) drops all of
 // its own. An object whose count reaches zero leaves the index and the broker closes its
@@ -335,8 +336,10 @@ class basic_dedup_broker {
     if (objects_.size() >= options_.max_objects) {
       return reply_error(c, request, dedup::errc::too_many_objects, "the broker indexes its most objects already");
     }
+    detail::unique_fd kept = verifier_.adopt(std::move(fd), q.bytes);
+    if (!kept) return reply_error(c, request, dedup::errc::unreadable, "the broker could not keep a copy of the object");
     const std::uint64_t id = next_id_++;
-    objects_.emplace(id, object{std::move(fd), q.bytes, q.digest, 1});
+    objects_.emplace(id, object{std::move(kept), q.bytes, q.digest, 1});
     index_[k].push_back(id);
     ++c.held[id];
     ++counters_.references;

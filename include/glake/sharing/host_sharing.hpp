@@ -196,13 +196,17 @@ static_assert(shareable_backend<host_shareable_backend>);
 // check: the descriptor is an ordinary memfd (shmem, a regular file with seals) sealed
 // F_SEAL_WRITE, SHRINK and GROW, of exactly the claimed size, so its bytes cannot change after
 // the broker compared them and mapping it within that size cannot raise SIGBUS. equal: checks
-// both again, then reads both with pread in 256 KiB steps and compares with memcmp. Reading
+// both again, then reads both with pread in 256 KiB steps and compares with memcmp. adopt keeps
+// the client's memfd itself (its seals make it immutable). Reading
 // rather than mapping: a read error is an error code, never a signal, and holes in a sparse file
 // read as zeros without the broker allocating pages for them. O(n) time, 512 KiB of buffers per
 // call; stateless.
 // ---------------------------------------------------------------------------------------------
 struct host_content_verifier {
   const char* check(int fd, std::size_t bytes) const noexcept { return detail::check_sealed_memfd(fd, bytes); }
+
+  /// A sealed memfd is immutable already: indexed as it came.
+  detail::unique_fd adopt(detail::unique_fd&& fd, std::size_t) noexcept { return std::move(fd); }
 
   static bool read_exactly(int fd, char* to, std::size_t n, std::size_t offset) noexcept {
     for (std::size_t done = 0; done < n;) {
