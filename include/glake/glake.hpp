@@ -1,7 +1,8 @@
 // Everything glake offers that runs without a GPU, in one include.
 //
-// Every public header but the CUDA backend (glake/backends/cuda.hpp, which needs <cuda.h>);
-// tests/glake_header_test.cpp compiles a translation unit that includes only this one.
+// Every public header but the CUDA ones (glake/backends/cuda.hpp, glake/sharing/cuda_sharing.hpp,
+// which need <cuda.h>); tests/glake_header_test.cpp compiles a translation unit that includes
+// only this one.
 #pragma once
 
 #include "glake/adaptors/pluggable_allocator.hpp"

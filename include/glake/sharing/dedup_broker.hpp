@@ -99,7 +99,8 @@ class basic_dedup_broker {
   /// Binds and listens at `socket_path`. Throws usage_error for a path that does not fit a
   /// socket address, driver_error naming the call for a system refusal, and driver_error with
   /// code EWOULDBLOCK when another broker holds the path.
-  explicit basic_dedup_broker(std::string socket_path, dedup_broker_options options = {}, Verifier verifier = {})
+  explicit basic_dedup_broker(std::string socket_path, dedup_broker_options options = {},
+                              Verifier verifier = Verifier())
       : path_(std::move(socket_path)), options_(std::move(options)), verifier_(std::move(verifier)) {
     if (!options_.admit) options_.admit = same_user_or_group{::geteuid(), options_.group};
     sockaddr_un address;
@@ -111,14 +112,22 @@ class basic_dedup_broker {
     if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&address), length) != 0) {
       detail::throw_errno("bind", errno);
     }
-    bound_ = true;
-    if (options_.group) {
-      if (::chown(path_.c_str(), static_cast<uid_t>(-1), *options_.group) != 0) detail::throw_errno("chown", errno);
-      if (::chmod(path_.c_str(), 0660) != 0) detail::throw_errno("chmod", errno);
-    } else if (::chmod(path_.c_str(), 0600) != 0) {
-      detail::throw_errno("chmod", errno);
+    try {
+      // Until chmod the file has the umask's mode; nobody is admitted before listen, and the
+      // admission check stands behind the mode anyway.
+      if (options_.group) {
+        if (::chown(path_.c_str(), static_cast<uid_t>(-1), *options_.group) != 0) detail::throw_errno("chown", errno);
+        if (::chmod(path_.c_str(), 0660) != 0) detail::throw_errno("chmod", errno);
+      } else if (::chmod(path_.c_str(), 0600) != 0) {
+        detail::throw_errno("chmod", errno);
+      }
+      if (::listen(fd.get(), 128) != 0) detail::throw_errno("listen", errno);
+    } catch (...) {
+      ::unlink(path_.c_str());
+      ::unlink((path_ + ".lock").c_str());
+      throw;
     }
-    if (::listen(fd.get(), 128) != 0) detail::throw_errno("listen", errno);
+    bound_ = true;
     listener_ = std::move(fd);
     spare_.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
   }

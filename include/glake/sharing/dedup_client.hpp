@@ -66,7 +66,7 @@ struct publish_result {
 // (Backend::map_readonly), and the process's own memory behind them is released. Pointers never
 // change. A write to a published range faults (SIGSEGV on the host): make_private(p, n) first,
 // which copies the bytes back into private writable memory and drops the references;
-// release(p, n) drops them without keeping the bytes (the range reads as zeros, writable).
+// release(p, n) drops them without keeping the bytes (the range is writable; zeros on the host).
 //
 // Failures never lose data: when the broker is unreachable, refuses a piece, or dies midway,
 // the pieces not yet remapped stay exactly as they were (private) and publish reports them in
@@ -88,8 +88,8 @@ struct publish_result {
 template <shareable_backend Backend = host_shareable_backend, content_hasher Hasher = fast_content_hasher>
 class dedup_client {
  public:
-  explicit dedup_client(std::string socket_path, dedup_client_options options = {}, Backend backend = {},
-                        Hasher hasher = {})
+  explicit dedup_client(std::string socket_path, dedup_client_options options = {}, Backend backend = Backend(),
+                        Hasher hasher = Hasher())
       : path_(std::move(socket_path)),
         options_(std::move(options)),
         backend_(std::move(backend)),
@@ -155,8 +155,8 @@ class dedup_client {
     return result;
   }
 
-  /// Turns the published range [p, p+n) (exactly as published, whatever came of its pieces) back into private, writable
-  /// memory with the same bytes, and drops its references. Throws usage_error for a range not
+  /// Turns the published range [p, p+n) (exactly as published, whatever came of its pieces)
+  /// back into private, writable memory with the same bytes, and drops its references. Throws usage_error for a range not
   /// published, out_of_memory or driver_error when a copy fails: the pieces copied so far are
   /// private, the rest still published (make_private again finishes the job).
   void make_private(void* p, std::size_t bytes) {
@@ -174,8 +174,8 @@ class dedup_client {
   }
 
   /// Gives up the published range [p, p+n) (exactly as published): its references are dropped
-  /// and its shared pieces replaced by writable zeros. Throws usage_error for a range not
-  /// published, and nothing else.
+  /// and its shared pieces replaced by writable memory (zeros on the host). Throws usage_error
+  /// for a range not published, and nothing else.
   void release(void* p, std::size_t bytes) {
     std::lock_guard lock(mutex_);
     leave_parent_connection();
@@ -426,11 +426,17 @@ class dedup_client {
 
   // Drops x's reference, if the connection that took it is still open: the references of a
   // closed one went with it, and its ids may name other objects on a new connection.
-  void send_release(const piece& x) {
+  // Should even that fail (bad_alloc), the connection is closed: the broker drops every
+  // reference it held, this one included.
+  void send_release(const piece& x) noexcept {
     if (!socket_ || x.connection != connection_) return;
-    std::string why;
-    auto answer = round_trip(dedup::encode(dedup::release_request{x.object}, next_request()), -1, why);
-    if (!answer) note_unavailable(why);
+    try {
+      std::string why;
+      auto answer = round_trip(dedup::encode(dedup::release_request{x.object}, next_request()), -1, why);
+      if (!answer) note_unavailable(why);
+    } catch (...) {
+      socket_.reset();
+    }
   }
 
   std::string path_;
