@@ -44,7 +44,7 @@ struct anonymous_range {
   }
 };
 
-TEST_CASE("threads: publishers on several threads, through one client and their own, share one copy") {
+TEST_CASE("threads: dedup publishers on several threads, through one client and their own, share one copy") {
   char name[] = "/tmp/glake-dedup-threads-XXXXXX";
   REQUIRE(::mkdtemp(name) != nullptr);
   const std::string dir = name;
