@@ -25,6 +25,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -981,6 +982,86 @@ TEST_CASE("dedup: a client that cannot export a piece keeps it private and says 
   range again(piece, 103);
   CHECK(client.publish(again.data, again.bytes).stored == 1);  // and works again after
 }
+
+#ifdef GLAKE_DEDUP_EXECUTABLE
+// The processes whose command line names `text` and glake-dedup: the brokers of one socket, and
+// any still starting (the shell that starts one, a broker about to find the path taken).
+std::vector<pid_t> processes_naming(const std::string& text) {
+  std::vector<pid_t> found;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream cmdline(entry.path() / "cmdline");
+    std::string line((std::istreambuf_iterator<char>(cmdline)), std::istreambuf_iterator<char>());
+    if (line.find(text) != std::string::npos && line.find("glake-dedup") != std::string::npos) {
+      found.push_back(static_cast<pid_t>(std::stol(name)));
+    }
+  }
+  return found;
+}
+
+bool eventually_true(const std::function<bool()>& ok) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (ok()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
+TEST_CASE("dedup: clients start the broker themselves, and one runs however many race") {
+  temp_dir dir;
+  constexpr int clients = 3;
+  struct report {
+    std::size_t stored = 0, shared = 0, kept_private = 0;
+  };
+  channel results, go, done;
+  std::vector<pid_t> children;
+  for (int i = 0; i < clients; ++i) {
+    children.push_back(spawn([&] {
+      dedup_client_options o = test_options();
+      o.start_broker = GLAKE_DEDUP_EXECUTABLE;
+      dedup_client<> client(dir.socket(), o);
+      range mine(piece, 121);
+      char c;
+      if (!go.get(c)) return 2;
+      const publish_result r = client.publish(mine.data, mine.bytes);
+      results.put(report{r.stored, r.shared, r.kept_private});
+      done.get(c);
+      return mine.holds(121) ? 0 : 1;
+    }));
+  }
+  for (int i = 0; i < clients; ++i) go.put('G');
+  std::size_t stored = 0, shared = 0;
+  for (int i = 0; i < clients; ++i) {
+    report r;
+    REQUIRE(results.get(r));
+    CHECK(r.kept_private == 0);
+    stored += r.stored;
+    shared += r.shared;
+  }
+  CHECK(stored == 1);
+  CHECK(shared == clients - 1);
+  // The others gave way (one that starts late, on a loaded machine, may still find the path
+  // free once the winner stopped: that is a broker too, and is stopped below).
+  CHECK(eventually_true([&] { return processes_naming(dir.socket()).size() == 1; }));
+  raw_connection raw(dir.socket());
+  REQUIRE(raw.send(dd::encode(dd::hello_request{}, 1)) == 0);
+  auto hello = raw.receive();
+  REQUIRE(std::holds_alternative<dd::reply>(hello));
+  const auto pid = static_cast<pid_t>(std::get<dd::hello_reply>(std::get<dd::reply>(hello)).pid);
+  const std::vector<pid_t> running = processes_naming(dir.socket());
+  CHECK(std::find(running.begin(), running.end(), pid) != running.end());
+  // SIGTERM stops a broker, which removes its socket.
+  CHECK(eventually_true([&] {
+    const std::vector<pid_t> left = processes_naming(dir.socket());
+    for (pid_t p : left) ::kill(p, SIGTERM);
+    return left.empty() && !std::filesystem::exists(dir.socket());
+  }));
+  for (int i = 0; i < clients; ++i) done.put('D');
+  for (pid_t p : children) CHECK(exited_with(wait_for(p), 0));
+}
+#endif
 
 TEST_CASE("dedup: one broker per socket path, and a stale socket is replaced") {
   temp_dir dir;

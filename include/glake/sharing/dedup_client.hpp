@@ -3,7 +3,11 @@
 #pragma once
 
 #include <algorithm>
+#include <spawn.h>
+#include <sys/wait.h>
+
 #include <cerrno>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -43,6 +47,11 @@ struct dedup_client_options {
   bool accept_root_broker = true;
   /// Where the one message about an unavailable broker goes; default: a line on stderr.
   std::function<void(std::string_view)> report;
+  /// When set, the path of glake-dedup: a client that finds no broker listening at the socket
+  /// (ENOENT, ECONNREFUSED) starts one (`glake-dedup --socket PATH --quiet`, in a session of
+  /// its own, not this process's child) and connects within timeout_ms. Clients racing to start
+  /// one end with one: the others see the path taken and exit.
+  std::string start_broker;
 };
 
 /// What one publish did to its range, piece by piece.
@@ -298,6 +307,10 @@ class dedup_client {
     socket_.reset();
     ++connection_;  // ids of an earlier connection (or broker) mean nothing on this one
     detail::unique_fd fd = detail::connect_unix(path_, options_.timeout_ms);
+    if (!fd && (errno == ENOENT || errno == ECONNREFUSED) && !options_.start_broker.empty()) {
+      fd = start_and_connect(why);
+      if (!fd) return false;
+    }
     if (!fd) {
       why = "connect: " + detail::errno_text(errno);
       return false;
@@ -320,6 +333,36 @@ class dedup_client {
       return false;
     }
     return true;
+  }
+
+  // Starts options.start_broker through `sh -c '... &'`, so that the broker is nobody's child
+  // here (no zombie to reap) and runs in a session of its own, then connects until timeout_ms.
+  detail::unique_fd start_and_connect(std::string& why) {
+    const char* argv[] = {"/bin/sh", "-c", "\"$0\" --socket \"$1\" --quiet </dev/null >/dev/null &",
+                          options_.start_broker.c_str(), path_.c_str(), nullptr};
+    posix_spawnattr_t attributes;
+    posix_spawnattr_init(&attributes);
+    posix_spawnattr_setflags(&attributes, POSIX_SPAWN_SETSID);
+    pid_t shell = -1;
+    const int spawned = ::posix_spawn(&shell, "/bin/sh", nullptr, &attributes, const_cast<char* const*>(argv), environ);
+    posix_spawnattr_destroy(&attributes);
+    if (spawned != 0) {
+      why = "starting " + options_.start_broker + ": posix_spawn: " + detail::errno_text(spawned);
+      return {};
+    }
+    int status = 0;
+    while (::waitpid(shell, &status, 0) < 0 && errno == EINTR) {
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.timeout_ms);
+    for (;;) {
+      detail::unique_fd fd = detail::connect_unix(path_, options_.timeout_ms);
+      if (fd) return fd;
+      if ((errno != ENOENT && errno != ECONNREFUSED) || std::chrono::steady_clock::now() > deadline) {
+        why = "started " + options_.start_broker + ", but connect: " + detail::errno_text(errno);
+        return {};
+      }
+      ::usleep(5000);
+    }
   }
 
   // Sends one request (with fd unless -1) and waits for its reply; nullopt, with the socket
