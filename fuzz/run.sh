@@ -113,7 +113,7 @@ report() {
 }
 
 for t in "${targets[@]}"; do
-  case $t in trace | config | alloc_ops | tiered_ops | snapshot) ;; *)
+  case $t in trace | config | alloc_ops | tiered_ops | dedup_protocol | snapshot) ;; *)
     echo "fuzz/run.sh: unknown target '$t'" >&2
     exit 2
     ;;
