@@ -10,7 +10,8 @@ pid=$!
 for _ in $(seq 200); do [[ -S $dir/b.sock ]] && break; sleep 0.05; done
 [[ -S $dir/b.sock ]] || { echo "no socket"; exit 1; }
 [[ $(stat -c %a "$dir/b.sock") == 600 ]] || { echo "socket mode $(stat -c %a "$dir/b.sock")"; exit 1; }
-"$tool" --socket "$dir/b.sock" --stats | grep -qx 'objects 0'
+stats=$("$tool" --socket "$dir/b.sock" --stats)
+grep -qx 'objects 0' <<<"$stats" || { echo "stats: $stats"; exit 1; }
 "$tool" --socket "$dir/b.sock" 2>"$dir/second.err"
 grep -q 'another glake dedup broker' "$dir/second.err"
 kill -TERM "$pid"
