@@ -1091,4 +1091,15 @@ TEST_CASE("dedup: one broker per socket path, and a stale socket is replaced") {
   CHECK_THROWS_AS(dedup_broker(std::string(200, 'x')), usage_error);
 }
 
+TEST_CASE("dedup: a broker for a group gives it the socket, mode 0660") {
+  temp_dir dir;
+  dedup_broker_options options;
+  options.group = ::getegid();  // a group this process may give files to
+  dedup_broker broker(dir.socket(), options);
+  struct stat info {};
+  REQUIRE(::stat(dir.socket().c_str(), &info) == 0);
+  CHECK((info.st_mode & 0777) == 0660);
+  CHECK(info.st_gid == ::getegid());
+}
+
 }  // namespace
