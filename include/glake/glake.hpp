@@ -1,7 +1,8 @@
 // Everything glake offers that runs without a GPU, in one include.
 //
-// Every public header but the CUDA backend (glake/backends/cuda.hpp, which needs <cuda.h>);
-// tests/glake_header_test.cpp compiles a translation unit that includes only this one.
+// Every public header but the CUDA ones (glake/backends/cuda.hpp, glake/sharing/cuda_sharing.hpp,
+// which need <cuda.h>); tests/glake_header_test.cpp compiles a translation unit that includes
+// only this one.
 #pragma once
 
 #include "glake/adaptors/pluggable_allocator.hpp"
@@ -22,6 +23,7 @@
 #include "glake/errors.hpp"
 #include "glake/movers/concepts.hpp"
 #include "glake/movers/copy_plan.hpp"
+#include "glake/movers/far_memory.hpp"
 #include "glake/movers/multipath_copy.hpp"
 #include "glake/movers/staged_copy.hpp"
 #include "glake/movers/staging_ring.hpp"
@@ -38,5 +40,10 @@
 #include "glake/scheduling/lru_policy.hpp"
 #include "glake/scheduling/planned_policy.hpp"
 #include "glake/scheduling/scheduler.hpp"
+#include "glake/sharing/concepts.hpp"
+#include "glake/sharing/dedup_broker.hpp"
+#include "glake/sharing/dedup_client.hpp"
+#include "glake/sharing/dedup_protocol.hpp"
+#include "glake/sharing/host_sharing.hpp"
 #include "glake/statistics.hpp"
 #include "glake/stream.hpp"

@@ -1,0 +1,418 @@
+// The dedup broker: indexes the immutable objects clients publish, hands an object only to a
+// client that proved it holds the same bytes, and counts references per connection.
+#pragma once
+
+#if !defined(__linux__)
+#error "glake/sharing/dedup_broker.hpp needs Linux"
+#endif
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/file.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "glake/backends/host.hpp"
+#include "glake/detail/unix_socket.hpp"
+#include "glake/errors.hpp"
+#include "glake/sharing/concepts.hpp"
+#include "glake/sharing/dedup_protocol.hpp"
+#include "glake/sharing/host_sharing.hpp"
+
+namespace glake {
+
+/// Who may connect: the broker's own user, and the members of one group if the operator names
+/// one. The default admission check of a broker.
+struct same_user_or_group {
+  uid_t uid = ::geteuid();
+  std::optional<gid_t> group;
+  bool operator()(const detail::peer_credentials& peer) const noexcept {
+    return peer.uid == uid || (group && peer.in_group(*group));
+  }
+};
+
+struct dedup_broker_options {
+  /// Decides, from the credentials the kernel recorded at connect time, whether a peer may
+  /// talk to the broker. Default: same_user_or_group{geteuid(), group}.
+  std::function<bool(const detail::peer_credentials&)> admit;
+  /// A group whose members may connect too: the socket file is given to it with mode 0660
+  /// (else 0600), and the default admission accepts its members.
+  std::optional<gid_t> group;
+  /// The most distinct objects indexed at once (each holds one descriptor in the broker).
+  std::size_t max_objects = std::size_t{1} << 20;
+  /// The most connections at once; later ones get an error and are closed.
+  std::size_t max_clients = 4096;
+  /// The largest object one publish may offer: a bound on the bytes one comparison reads.
+  std::uint64_t max_object_bytes = std::uint64_t{4} << 30;
+  /// The most different objects indexed under one (digest, size) key: a bound on the byte
+  /// comparisons one publish costs, whatever digests clients claim.
+  std::size_t max_collisions = 8;
+};
+
+// ---------------------------------------------------------------------------------------------
+// basic_dedup_broker
+//
+// Listens on a SOCK_SEQPACKET Unix socket (one message per packet, so framing needs no length
+// prefix and a short or long packet is detectable) and serves connections from one thread with
+// poll. A publish carries the client's own object (a descriptor) with its size and digest; the
+// broker checks the descriptor (Verifier::check: exactly that size, fit to compare), then
+// compares it byte for byte (Verifier::equal) with each indexed object of the same digest and
+// size. On a match the client gets the indexed object's descriptor and a reference to it; else
+// its object is indexed (Verifier::adopt: as it is when immutable, else a copy no client can
+// write) and it holds the first reference. A client is therefore never sent
+// a descriptor of bytes it did not send itself. Each connection's references are counted;
+// release drops one, and a connection that closes (the process exited or died) drops all of
+// its own. An object whose count reaches zero leaves the index and the broker closes its
+// descriptor (the memory itself lives on in every process still mapping it, until the last
+// unmaps it). Every reply is sent without blocking: a client that does not read its replies is
+// disconnected.
+//
+// Admission: the peer's uid/gid (SO_PEERCRED, SO_PEERGROUPS) must pass options.admit, else it
+// gets permission_denied and is closed. A socket path is owned through a lock file beside it
+// (PATH.lock, flock): a second broker for the same path fails at construction, and a stale
+// socket left by a dead broker is replaced.
+//
+// Complexity: a publish is O(log objects + k * n) for k indexed objects of the same key (at
+// most max_collisions) of n bytes; a release O(log objects); each poll O(connections).
+// Thread safety: none; one thread calls poll_once / run. The broker ignores SIGPIPE per send.
+// ---------------------------------------------------------------------------------------------
+template <content_verifier Verifier = host_content_verifier>
+class basic_dedup_broker {
+ public:
+  /// Binds and listens at `socket_path`. Throws usage_error for a path that does not fit a
+  /// socket address, driver_error naming the call for a system refusal, and driver_error with
+  /// code EWOULDBLOCK when another broker holds the path.
+  explicit basic_dedup_broker(std::string socket_path, dedup_broker_options options = {},
+                              Verifier verifier = Verifier())
+      : path_(std::move(socket_path)), options_(std::move(options)), verifier_(std::move(verifier)) {
+    if (!options_.admit) options_.admit = same_user_or_group{::geteuid(), options_.group};
+    sockaddr_un address;
+    const socklen_t length = detail::unix_address(path_, address);
+    lock_ = take_lock(path_ + ".lock");
+    ::unlink(path_.c_str());  // a stale socket of a broker that died: the lock says none runs
+    detail::unique_fd fd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    if (!fd) detail::throw_errno("socket", errno);
+    if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&address), length) != 0) {
+      detail::throw_errno("bind", errno);
+    }
+    try {
+      // Until chmod the file has the umask's mode; nobody is admitted before listen, and the
+      // admission check stands behind the mode anyway.
+      if (options_.group) {
+        if (::chown(path_.c_str(), static_cast<uid_t>(-1), *options_.group) != 0) detail::throw_errno("chown", errno);
+        if (::chmod(path_.c_str(), 0660) != 0) detail::throw_errno("chmod", errno);
+      } else if (::chmod(path_.c_str(), 0600) != 0) {
+        detail::throw_errno("chmod", errno);
+      }
+      if (::listen(fd.get(), 128) != 0) detail::throw_errno("listen", errno);
+    } catch (...) {
+      ::unlink(path_.c_str());
+      ::unlink((path_ + ".lock").c_str());
+      throw;
+    }
+    bound_ = true;
+    listener_ = std::move(fd);
+    spare_.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  }
+  basic_dedup_broker(const basic_dedup_broker&) = delete;
+  basic_dedup_broker& operator=(const basic_dedup_broker&) = delete;
+  ~basic_dedup_broker() {
+    clients_.clear();
+    objects_.clear();
+    if (bound_) ::unlink(path_.c_str());
+    if (lock_) ::unlink((path_ + ".lock").c_str());  // while still held: see take_lock
+  }
+
+  const std::string& socket_path() const noexcept { return path_; }
+  dedup::broker_stats stats() const noexcept {
+    dedup::broker_stats s = counters_;
+    s.clients = clients_.size();
+    s.objects = objects_.size();
+    return s;
+  }
+
+  /// Waits up to `timeout_ms` (-1: forever) for connections and messages and handles all that
+  /// arrived. Returns false when `stop_fd` (if not -1) became readable.
+  bool poll_once(int timeout_ms, int stop_fd = -1) {
+    std::vector<pollfd> fds;
+    fds.reserve(clients_.size() + 2);
+    fds.push_back({listener_.get(), POLLIN, 0});
+    fds.push_back({stop_fd, POLLIN, 0});
+    std::vector<int> order;
+    order.reserve(clients_.size());
+    for (const auto& [fd, c] : clients_) {
+      fds.push_back({fd, POLLIN, 0});
+      order.push_back(fd);
+    }
+    int ready;
+    do {
+      ready = ::poll(fds.data(), fds.size(), timeout_ms);
+    } while (ready < 0 && errno == EINTR);
+    if (ready < 0) detail::throw_errno("poll", errno);
+    if (stop_fd >= 0 && fds[1].revents != 0) return false;
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      if (fds[i + 2].revents != 0) serve(order[i]);
+    }
+    if (fds[0].revents & POLLIN) accept_all();
+    return true;
+  }
+
+  /// Serves until `stop_fd` becomes readable (or forever when it is -1).
+  void run(int stop_fd = -1) {
+    while (poll_once(-1, stop_fd)) {
+    }
+  }
+
+ private:
+  struct object {
+    detail::unique_fd fd;
+    std::uint64_t bytes = 0;
+    content_digest digest;
+    std::uint64_t references = 0;
+  };
+  struct client {
+    detail::unique_fd fd;
+    detail::peer_credentials peer;
+    std::map<std::uint64_t, std::uint64_t> held;  // object id -> references
+  };
+  using key = std::pair<std::array<std::uint8_t, 32>, std::uint64_t>;
+  static constexpr std::size_t most_fds = 4;
+
+  // Opens and locks PATH.lock. A lock file unlinked by a broker that exited between our open
+  // and our flock is not the one at the path any more: check, and try again.
+  static detail::unique_fd take_lock(const std::string& lock_path) {
+    for (int attempt = 0; attempt < 16; ++attempt) {
+      detail::unique_fd fd(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+      if (!fd) detail::throw_errno("open", errno);
+      if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+        const int error = errno;
+        if (error == EWOULDBLOCK) {
+          throw driver_error("flock", EWOULDBLOCK, "another glake dedup broker serves " +
+                                                       lock_path.substr(0, lock_path.size() - 5));
+        }
+        detail::throw_errno("flock", error);
+      }
+      struct stat held {}, at_path {};
+      if (::fstat(fd.get(), &held) == 0 && ::stat(lock_path.c_str(), &at_path) == 0 &&
+          held.st_ino == at_path.st_ino && held.st_dev == at_path.st_dev) {
+        return fd;
+      }
+    }
+    throw driver_error("flock", EAGAIN, "the lock file " + lock_path + " keeps being replaced");
+  }
+
+  void accept_all() {
+    for (;;) {
+      detail::unique_fd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+      if (!fd) {
+        if (errno == EINTR) continue;
+        if ((errno == EMFILE || errno == ENFILE) && spare_) {
+          // Out of descriptors: take the connection with the spare one, turn it away, get the
+          // spare back. Otherwise the pending connection would wake poll forever.
+          spare_.reset();
+          detail::unique_fd turned(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+          if (turned) refuse(turned.get(), 0, dedup::errc::out_of_descriptors, "the broker has no descriptor left for a connection");
+          spare_.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+          continue;
+        }
+        return;  // EAGAIN: none left; anything else: try again on the next poll
+      }
+      detail::peer_credentials peer;
+      if (!detail::read_peer_credentials(fd.get(), peer)) {
+        refuse(fd.get(), 0, dedup::errc::permission_denied, "the broker cannot read the peer's credentials");
+        continue;
+      }
+      if (!options_.admit(peer)) {
+        refuse(fd.get(), 0, dedup::errc::permission_denied,
+               "uid " + std::to_string(peer.uid) + " gid " + std::to_string(peer.gid) + " may not use this broker");
+        continue;
+      }
+      if (clients_.size() >= options_.max_clients) {
+        refuse(fd.get(), 0, dedup::errc::out_of_descriptors, "the broker serves its most connections already");
+        continue;
+      }
+      const int raw = fd.get();
+      clients_.emplace(raw, client{std::move(fd), std::move(peer), {}});
+    }
+  }
+
+  void refuse(int fd, std::uint32_t request, dedup::errc code, std::string text) {
+    ++counters_.refused;
+    detail::send_message(fd, dedup::encode(dedup::error_reply{code, std::move(text)}, request), {}, MSG_DONTWAIT);
+  }
+
+  // Reads every message waiting on one connection; drops the connection when it closed, broke
+  // the framing or does not take its replies.
+  void serve(int fd) {
+    std::byte buffer[dedup::max_message_bytes + 1];
+    // At most a few messages per connection and poll, so that one busy client cannot starve
+    // the others; the rest wait for the next poll.
+    for (int served = 0; served < 16; ++served) {
+      auto it = clients_.find(fd);
+      if (it == clients_.end()) return;
+      // Room for more descriptors than any request takes, so that a client sending two is
+      // told so (bad_descriptor) rather than taken for the broker running out (MSG_CTRUNC).
+      detail::received_message m = detail::receive_message(fd, buffer, most_fds, MSG_DONTWAIT);
+      if (m.error == EAGAIN || m.error == EWOULDBLOCK) return;
+      if (m.error != 0 || (m.size == 0 && m.fds.empty() && !m.truncated)) {
+        drop(it);
+        return;
+      }
+      if (!handle(it->second, std::span<const std::byte>(buffer, std::min(m.size, sizeof buffer)), m)) {
+        drop(clients_.find(fd));
+        return;
+      }
+    }
+  }
+
+  // One message; false when the connection must close.
+  bool handle(client& c, std::span<const std::byte> bytes, detail::received_message& m) {
+    dedup::header h;
+    if (m.truncated) {
+      return reply_error(c, 0, dedup::errc::bad_message, "message longer than " + std::to_string(dedup::max_message_bytes) + " bytes"), false;
+    }
+    // MSG_CTRUNC with fewer descriptors than there was room for: the kernel could not install
+    // them (EMFILE); with the room full: the client sent too many.
+    const bool out_of_fds = m.fds_truncated && m.fds.size() < most_fds;
+    auto parsed = dedup::parse_request(bytes, m.fds_truncated ? most_fds + 1 : m.fds.size(), &h);
+    if (auto* e = std::get_if<dedup::parse_error>(&parsed)) {
+      if (out_of_fds && !e->fatal) {
+        return reply_error(c, h.request, dedup::errc::out_of_descriptors,
+                           "the broker could not receive the descriptor (it is out of file descriptors)");
+      }
+      const bool keep = reply_error(c, h.request, e->code, e->text);
+      return keep && !e->fatal;
+    }
+    if (m.foreign_control) return reply_error(c, h.request, dedup::errc::bad_message, "unexpected control data");
+    auto& q = std::get<dedup::request>(parsed);
+    if (std::holds_alternative<dedup::hello_request>(q)) {
+      return send(c, dedup::encode(dedup::hello_reply{dedup::protocol_version, static_cast<std::uint64_t>(::getpid())}, h.request));
+    }
+    if (std::holds_alternative<dedup::stats_request>(q)) return send(c, dedup::encode(stats(), h.request));
+    if (auto* r = std::get_if<dedup::release_request>(&q)) return release(c, h.request, r->object);
+    return publish(c, h.request, std::get<dedup::publish_request>(q), std::move(m.fds.front()));
+  }
+
+  bool publish(client& c, std::uint32_t request, const dedup::publish_request& q, detail::unique_fd fd) {
+    if (q.bytes > options_.max_object_bytes) {
+      return reply_error(c, request, dedup::errc::bad_size,
+                         "objects of at most " + std::to_string(options_.max_object_bytes) + " bytes are accepted");
+    }
+    if (const char* why = verifier_.check(fd.get(), q.bytes)) {
+      return reply_error(c, request, dedup::errc::bad_descriptor, why);
+    }
+    const key k{q.digest.bytes, q.bytes};
+    const auto found = index_.find(k);
+    const std::size_t chain_length = found == index_.end() ? 0 : found->second.size();
+    bool unreadable = false;
+    for (std::size_t i = 0; i < chain_length; ++i) {
+      const std::uint64_t id = found->second[i];
+      object& o = objects_.at(id);
+      const int same = verifier_.equal(o.fd.get(), fd.get(), q.bytes);
+      if (same == 1) {
+        ++o.references;
+        ++c.held[id];
+        ++counters_.references;
+        ++counters_.publishes;
+        ++counters_.shared;
+        const int shared_fd = o.fd.get();
+        return send(c, dedup::encode(dedup::published_reply{id, dedup::outcome::shared}, request), {&shared_fd, 1});
+      }
+      unreadable |= same < 0;
+    }
+    if (unreadable) return reply_error(c, request, dedup::errc::unreadable, "an indexed object of this digest could not be read");
+    if (chain_length >= options_.max_collisions) {
+      return reply_error(c, request, dedup::errc::too_many_objects,
+                         std::to_string(chain_length) + " different objects of this digest and size are indexed already");
+    }
+    if (objects_.size() >= options_.max_objects) {
+      return reply_error(c, request, dedup::errc::too_many_objects, "the broker indexes its most objects already");
+    }
+    detail::unique_fd kept = verifier_.adopt(std::move(fd), q.bytes);
+    if (!kept) return reply_error(c, request, dedup::errc::unreadable, "the broker could not keep a copy of the object");
+    const std::uint64_t id = next_id_++;
+    objects_.emplace(id, object{std::move(kept), q.bytes, q.digest, 1});
+    index_[k].push_back(id);
+    ++c.held[id];
+    ++counters_.references;
+    ++counters_.publishes;
+    counters_.object_bytes += q.bytes;
+    return send(c, dedup::encode(dedup::published_reply{id, dedup::outcome::stored}, request));
+  }
+
+  bool release(client& c, std::uint32_t request, std::uint64_t id) {
+    auto held = c.held.find(id);
+    if (held == c.held.end()) {
+      return reply_error(c, request, dedup::errc::unknown_object, "object " + std::to_string(id) + " is not held by this connection");
+    }
+    const std::uint64_t left = --held->second;
+    if (left == 0) c.held.erase(held);
+    unreference(id, 1);
+    return send(c, dedup::encode(dedup::released_reply{id, left}, request));
+  }
+
+  void unreference(std::uint64_t id, std::uint64_t count) noexcept {
+    auto it = objects_.find(id);
+    if (it == objects_.end()) return;
+    it->second.references -= count;
+    counters_.references -= count;
+    if (it->second.references != 0) return;
+    const key k{it->second.digest.bytes, it->second.bytes};
+    counters_.object_bytes -= it->second.bytes;
+    if (auto chain = index_.find(k); chain != index_.end()) {
+      std::erase(chain->second, id);
+      if (chain->second.empty()) index_.erase(chain);
+    }
+    objects_.erase(it);
+  }
+
+  void drop(typename std::map<int, client>::iterator it) noexcept {
+    if (it == clients_.end()) return;
+    for (const auto& [id, count] : it->second.held) unreference(id, count);
+    clients_.erase(it);
+  }
+
+  bool reply_error(client& c, std::uint32_t request, dedup::errc code, std::string text) {
+    ++counters_.refused;
+    return send(c, dedup::encode(dedup::error_reply{code, std::move(text)}, request));
+  }
+
+  // False when the client does not take the reply (gone, or not reading): drop it.
+  bool send(client& c, const std::vector<std::byte>& bytes, std::span<const int> fds = {}) {
+    return detail::send_message(c.fd.get(), bytes, fds, MSG_DONTWAIT) == 0;
+  }
+
+  std::string path_;
+  dedup_broker_options options_;
+  [[no_unique_address]] Verifier verifier_;
+  detail::unique_fd lock_;
+  detail::unique_fd listener_;
+  detail::unique_fd spare_;  // given up to accept one connection when descriptors run out
+  bool bound_ = false;
+  std::map<int, client> clients_;
+  std::map<std::uint64_t, object> objects_;
+  std::map<key, std::vector<std::uint64_t>> index_;
+  std::uint64_t next_id_ = 1;
+  dedup::broker_stats counters_;
+};
+
+using dedup_broker = basic_dedup_broker<>;
+
+}  // namespace glake

@@ -1,0 +1,139 @@
+// glake-dedup: the broker that lets processes share identical read-only memory
+// (include/glake/sharing/dedup_broker.hpp, docs/dedup.md), and a query of a running one.
+#include <grp.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "glake/errors.hpp"
+#include "glake/sharing/dedup_broker.hpp"
+#include "glake/sharing/dedup_client.hpp"
+
+namespace {
+
+constexpr const char* usage =
+    "usage: glake-dedup --socket PATH [--group NAME] [--max-objects N] [--quiet]\n"
+    "       glake-dedup --socket PATH --stats\n"
+    "Serves cross-process deduplication of read-only memory on the Unix socket PATH until\n"
+    "SIGTERM or SIGINT. Only processes of this user connect (socket mode 0600), and members of\n"
+    "the group NAME when given (mode 0660, the socket given to that group). A second broker on\n"
+    "the same PATH exits at once with status 0 and says so.\n"
+    "\n"
+    "  --socket PATH      the socket (PATH.lock beside it marks the broker that owns it)\n"
+    "  --group NAME       also admit the members of this group\n"
+    "  --max-objects N    index at most N distinct objects (each holds one descriptor)\n"
+    "  --stats            print a running broker's counters and exit\n"
+    "  --quiet            no start and stop lines on stderr\n"
+    "  -h, --help         this text\n";
+
+int stop_pipe[2] = {-1, -1};
+
+extern "C" void on_signal(int) {
+  const char c = 's';
+  [[maybe_unused]] const ssize_t ignored = ::write(stop_pipe[1], &c, 1);
+}
+
+[[noreturn]] void fail_usage(const std::string& message) {
+  std::fprintf(stderr, "glake-dedup: %s\n%s", message.c_str(), usage);
+  std::exit(2);
+}
+
+int print_stats(const std::string& path) {
+  glake::dedup_client_options options;
+  options.report = [](std::string_view) {};
+  glake::dedup_client<> client(path, options);
+  const auto s = client.broker_statistics();
+  if (!s) {
+    std::fprintf(stderr, "glake-dedup: no broker answers at %s\n", path.c_str());
+    return 1;
+  }
+  // The query's own connection is one of the clients.
+  std::printf("clients %" PRIu64 "\nobjects %" PRIu64 "\nobject_bytes %" PRIu64 "\nreferences %" PRIu64
+              "\npublishes %" PRIu64 "\nshared %" PRIu64 "\nrefused %" PRIu64 "\n",
+              s->clients - 1, s->objects, s->object_bytes, s->references, s->publishes, s->shared, s->refused);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string path;
+  std::optional<std::string> group_name;
+  glake::dedup_broker_options options;
+  bool stats = false, quiet = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) fail_usage(std::string(arg) + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--socket") {
+      path = value();
+    } else if (arg == "--group") {
+      group_name = value();
+    } else if (arg == "--max-objects") {
+      const std::string text = value();
+      char* end = nullptr;
+      errno = 0;
+      const unsigned long long n = std::strtoull(text.c_str(), &end, 10);
+      if (errno != 0 || end == text.c_str() || *end != '\0' || n == 0) fail_usage("--max-objects takes a positive number, not '" + text + "'");
+      options.max_objects = static_cast<std::size_t>(n);
+    } else if (arg == "--stats") {
+      stats = true;
+    } else if (arg == "--quiet") {
+      quiet = true;
+    } else if (arg == "-h" || arg == "--help") {
+      std::fputs(usage, stdout);
+      return 0;
+    } else {
+      fail_usage("unknown argument '" + std::string(arg) + "'");
+    }
+  }
+  if (path.empty()) fail_usage("--socket PATH is required");
+  try {
+    if (stats) return print_stats(path);
+    if (group_name) {
+      const group* g = ::getgrnam(group_name->c_str());
+      if (g == nullptr) {
+        std::fprintf(stderr, "glake-dedup: no group named '%s'\n", group_name->c_str());
+        return 2;
+      }
+      options.group = g->gr_gid;
+    }
+    if (::pipe2(stop_pipe, O_CLOEXEC) != 0) glake::detail::throw_errno("pipe2", errno);
+    struct sigaction action {};
+    action.sa_handler = on_signal;
+    ::sigemptyset(&action.sa_mask);
+    ::sigaction(SIGTERM, &action, nullptr);
+    ::sigaction(SIGINT, &action, nullptr);
+    ::signal(SIGPIPE, SIG_IGN);
+    glake::dedup_broker broker(path, options);
+    if (!quiet) std::fprintf(stderr, "glake-dedup: serving %s (pid %d)\n", path.c_str(), static_cast<int>(::getpid()));
+    broker.run(stop_pipe[0]);
+    if (!quiet) {
+      const auto s = broker.stats();
+      std::fprintf(stderr, "glake-dedup: stopped; %" PRIu64 " publishes, %" PRIu64 " shared, %" PRIu64 " refused\n",
+                   s.publishes, s.shared, s.refused);
+    }
+    return 0;
+  } catch (const glake::driver_error& e) {
+    if (e.code() == EWOULDBLOCK && e.call() == "flock") {
+      if (!quiet) std::fprintf(stderr, "glake-dedup: %s; nothing to do\n", e.what());
+      return 0;
+    }
+    std::fprintf(stderr, "glake-dedup: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "glake-dedup: %s\n", e.what());
+    return 1;
+  }
+}
