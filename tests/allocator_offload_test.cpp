@@ -305,6 +305,19 @@ TEST_CASE("offload: moves wait for the work queued on their stream, the allocati
   CHECK(a.residence_of(p) == residence::device);
   a.deallocate(p, 32 * M, own);
   a.verify();
+  // A free waiting for another stream, of an offloaded allocation: it finishes later (here in
+  // release_cached), taking device memory back then.
+  void* q = a.allocate(32 * M, own);
+  a.record_stream(q, other);
+  a.offload(q, own);
+  a.deallocate(q, 32 * M, own);  // deferred: `other` may still use it
+  CHECK(a.stats().offloaded_bytes == 32 * M);
+  log.complete(other);
+  a.release_cached();
+  CHECK(a.stats().offloaded_bytes == 0);
+  CHECK(a.stats().active_bytes == 0);
+  CHECK(gpu.host_bytes() == 0);
+  a.verify();
   CHECK(gpu.violations() == 0);
 }
 

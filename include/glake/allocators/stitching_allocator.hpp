@@ -1003,8 +1003,14 @@ class stitching_allocator {
     (void)bytes;
 #endif
     moved_allocation& m = it->second;
-    // Work queued before the free may still use the memory: it waits, as a remap must.
-    wait_for_uses(p, stream, a.stream);
+    // Work queued before the free may still use the memory: it waits, as a remap must. A free
+    // may come from a deferred free's completion, where nothing may throw: a failed event record
+    // waits for the device instead.
+    try {
+      wait_for_uses(p, stream, a.stream);
+    } catch (...) {
+      if constexpr (has_events) clocks_.events().synchronize();
+    }
     detail::move_outcome r = detail::move_outcome::out_of_memory;
     try {
       r = move_sites(m.sites, false, false, stream);
