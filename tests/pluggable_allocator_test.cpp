@@ -671,6 +671,7 @@ TEST_CASE("pluggable_allocator: offload and prefetch reach the allocator that ho
   CHECK(plugin.residence_of(kept) == residence::device);
   CHECK(sim.devices.at(0)->host_bytes() == 32 * MiB);
   CHECK(plugin.find(0)->stats().offloaded_bytes == 32 * MiB);
+  CHECK(stats_of(plugin, 0).at("offloaded_bytes") == 32 * MiB);
   CHECK_FALSE(plugin.residence_of(&sim).has_value());
   CHECK_THROWS_AS(plugin.offload(&sim, other_stream), usage_error);
   CHECK_THROWS_AS(plugin.prefetch(kept, other_stream), usage_error);  // not offloaded

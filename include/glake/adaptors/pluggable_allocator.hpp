@@ -60,9 +60,9 @@ struct no_device_scope {
 /// The names of the values pluggable_allocator::stats writes, in order: the fields of
 /// `statistics`, its driver calls by kind, the host nanoseconds spent in them by kind, then the
 /// adaptor's own.
-inline constexpr std::array<std::string_view, 41> pluggable_stat_names = {
+inline constexpr std::array<std::string_view, 42> pluggable_stat_names = {
     "active_bytes",        "peak_active_bytes",   "allocated_bytes",     "peak_allocated_bytes",
-    "reserved_bytes",      "peak_reserved_bytes", "cached_stitch_bytes", "allocations",
+    "reserved_bytes",      "peak_reserved_bytes", "cached_stitch_bytes", "offloaded_bytes",     "allocations",
     "deallocations",       "failed_allocations",  "splits",              "merges",
     "segments_created",    "segments_released",   "stitches",            "stitch_cache_hits",
     "stitch_repairs",      "stitch_grows",        "stitch_evictions",    "cross_stream_bytes",
@@ -77,7 +77,7 @@ namespace detail {
 // The names after the 24 plain statistics are the driver calls in the order of `driver_call`,
 // then the same with "_ns": the time spent in them.
 constexpr bool driver_call_names_match() {
-  constexpr std::size_t plain = 24;
+  constexpr std::size_t plain = 25;
   for (std::size_t k = 0; k < driver_call_kinds; ++k) {
     const std::string_view kind = to_string(static_cast<driver_call>(k));
     const std::string_view count = pluggable_stat_names[plain + k];
@@ -626,7 +626,8 @@ class pluggable_allocator {
              {std::uint64_t{st.active_bytes}, std::uint64_t{st.peak_active_bytes},
               std::uint64_t{st.allocated_bytes}, std::uint64_t{st.peak_allocated_bytes},
               std::uint64_t{st.reserved_bytes}, std::uint64_t{st.peak_reserved_bytes},
-              std::uint64_t{st.cached_stitch_bytes}, st.allocations, st.deallocations, st.failed_allocations,
+              std::uint64_t{st.cached_stitch_bytes}, std::uint64_t{st.offloaded_bytes}, st.allocations,
+              st.deallocations, st.failed_allocations,
               st.splits, st.merges, st.segments_created, st.segments_released, st.stitches,
               st.stitch_cache_hits, st.stitch_repairs, st.stitch_grows, st.stitch_evictions, st.cross_stream_bytes,
               st.device_waits, st.events_recorded, st.event_queries, st.event_ns}) {
