@@ -179,6 +179,36 @@ TEST_CASE("offload: a stitched allocation moves whole, at its own addresses and 
   a.verify();
 }
 
+TEST_CASE("offload: a block whose handles a live stitched allocation also maps is refused") {
+  host_provider device(2 * M, 64 * M);
+  config c = stitchy();
+  c.max_handle = 0;  // 2 MiB handles: a stitched range's unclaimed tail is whole handles
+  host_alloc a(device, host_reserver(2 * M), c);
+  a.attach_far_memory(host_provider(2 * M), host_copier{});
+  std::vector<void*> blocks;
+  for (int i = 0; i < 8; ++i) blocks.push_back(a.allocate(8 * M));
+  for (int i = 0; i < 8; i += 2) a.deallocate(blocks[i], 8 * M);
+  void* stitched = a.allocate(20 * M);  // three 8 MiB pieces, the last 4 MiB unclaimed
+  REQUIRE(a.stats().stitches == 1);
+  void* tail = a.allocate(4 * M);  // best fit: the free 4 MiB the live range maps, unclaimed
+  stamp(tail, 4 * M, 81);
+  try {
+    a.offload(tail);
+    // Served from elsewhere: nothing to refuse here (the layout is the stitcher's choice).
+    a.prefetch(tail);
+  } catch (const usage_error& e) {
+    CHECK(message_has(e, "live stitched allocation"));
+    CHECK(a.residence_of(tail) == residence::device);
+  }
+  CHECK(stamped(tail, 4 * M, 81));
+  CHECK(a.stats().reserved_bytes == device.created_bytes());
+  a.verify();
+  a.deallocate(tail, 4 * M);
+  a.deallocate(stitched, 20 * M);
+  for (int i = 1; i < 8; i += 2) a.deallocate(blocks[i], 8 * M);
+  a.verify();
+}
+
 TEST_CASE("offload: freed while offloaded, memory comes back to the device, or waits there when the device is full") {
   sim_device gpu(64 * M, 2 * M, 256 * M);
   sim_alloc a{sim_provider(gpu), sim_reserver(gpu)};

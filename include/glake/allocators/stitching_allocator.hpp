@@ -958,6 +958,19 @@ class stitching_allocator {
     } else {
       sites = it->second.sites;
     }
+    if constexpr (stitches) {
+      // Another live stitched allocation may map these handles past the part it claims; moving
+      // them would leave its mapping on the old memory.
+      for (std::size_t i = 0; i < homes.size(); ++i) {
+        const std::size_t lo = sites[i].slot->offset;
+        if (stitcher_.live_maps(homes[i], lo, lo + sites[i].slot->size, a.range)) {
+          throw usage_error(usage_error::kind::bad_argument,
+                            where + detail::pointer_text(p) +
+                                ": its memory is also mapped by a live stitched allocation (past the part that one "
+                                "uses); it can move once that allocation is freed");
+        }
+      }
+    }
     std::size_t bytes = 0;
     for (const site_type& s : sites) bytes += s.slot->size;
     wait_for_uses(p, stream, a.stream);

@@ -228,6 +228,19 @@ class stitcher {
     return dropped;
   }
 
+  /// Whether a live range other than `except` maps any of the bytes [lo, hi) of `home` (a live
+  /// range maps whole pieces, so handles past the part it claims stay mapped while free blocks
+  /// of their segment serve other allocations).
+  bool live_maps(const segment* home, std::size_t lo, std::size_t hi, const range* except) const noexcept {
+    for (const range& s : cache_) {
+      if (!s.live || &s == except) continue;
+      for (const piece& pc : s.pieces) {
+        if (pc.home == home && pc.offset < hi && lo < pc.offset + pc.size) return true;
+      }
+    }
+    return false;
+  }
+
   /// At destruction (the device synchronized): every range unmapped, live ones too (a live one
   /// is the caller's leak).
   void release_all() noexcept {
