@@ -37,6 +37,15 @@ bool message_has(const std::exception& e, const std::string& text) {
   return std::string(e.what()).find(text) != std::string::npos;
 }
 
+// Eight 8 MiB blocks, the even ones freed: four free blocks apart, which only a stitch joins.
+template <class Allocator>
+std::vector<void*> checkerboard(Allocator& a) {
+  std::vector<void*> blocks;
+  for (int i = 0; i < 8; ++i) blocks.push_back(a.allocate(8 * M));
+  for (int i = 0; i < 8; i += 2) a.deallocate(blocks[i], 8 * M);
+  return blocks;
+}
+
 }  // namespace
 
 TEST_CASE("offload: a block's memory goes to far memory and back, the pointer and its bytes unchanged") {
@@ -121,9 +130,7 @@ TEST_CASE("offload: cached stitched ranges over a moved block are dropped first"
   host_provider device(2 * M, 64 * M);
   host_alloc a(device, host_reserver(2 * M), stitchy());
   a.attach_far_memory(host_provider(2 * M), host_copier{});
-  std::vector<void*> blocks;
-  for (int i = 0; i < 8; ++i) blocks.push_back(a.allocate(8 * M));
-  for (int i = 0; i < 8; i += 2) a.deallocate(blocks[i], 8 * M);
+  const std::vector<void*> blocks = checkerboard(a);
   void* big = a.allocate(32 * M);  // the device is full: a stitch of the four free blocks
   REQUIRE(a.stats().stitches == 1);
   a.deallocate(big, 32 * M);  // cached: it still maps those blocks' handles
@@ -146,9 +153,7 @@ TEST_CASE("offload: a stitched allocation moves whole, at its own addresses and 
   host_provider device(2 * M, 64 * M);
   host_alloc a(device, host_reserver(2 * M), stitchy());
   a.attach_far_memory(host_provider(2 * M), host_copier{});
-  std::vector<void*> blocks;
-  for (int i = 0; i < 8; ++i) blocks.push_back(a.allocate(8 * M));
-  for (int i = 0; i < 8; i += 2) a.deallocate(blocks[i], 8 * M);
+  const std::vector<void*> blocks = checkerboard(a);
   void* big = a.allocate(32 * M);
   REQUIRE(a.stats().stitches == 1);
   stamp(big, 32 * M, 31);
@@ -185,9 +190,7 @@ TEST_CASE("offload: a block whose handles a live stitched allocation also maps i
   c.max_handle = 0;  // 2 MiB handles: a stitched range's unclaimed tail is whole handles
   host_alloc a(device, host_reserver(2 * M), c);
   a.attach_far_memory(host_provider(2 * M), host_copier{});
-  std::vector<void*> blocks;
-  for (int i = 0; i < 8; ++i) blocks.push_back(a.allocate(8 * M));
-  for (int i = 0; i < 8; i += 2) a.deallocate(blocks[i], 8 * M);
+  const std::vector<void*> blocks = checkerboard(a);
   void* stitched = a.allocate(20 * M);  // three 8 MiB pieces, the last 4 MiB unclaimed
   REQUIRE(a.stats().stitches == 1);
   void* tail = a.allocate(4 * M);  // best fit: the free 4 MiB the live range maps, unclaimed
