@@ -46,6 +46,26 @@ inline void cuda_check(CUresult result, const char* call) {
 // Out of memory is an answer, not an error: the allocator falls back and retries.
 inline bool cuda_out_of_memory(CUresult result) noexcept { return result == CUDA_ERROR_OUT_OF_MEMORY; }
 
+/// The properties of pinned memory on `device`, exportable as a POSIX file descriptor when
+/// `shareable`: what every device handle of this backend (and of cuda_sharing) is made with.
+inline CUmemAllocationProp cuda_device_properties(int device, bool shareable = false) noexcept {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  prop.requestedHandleTypes = shareable ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
+  return prop;
+}
+
+/// Access to a range for `device` (read-write unless told).
+inline CUmemAccessDesc cuda_access(int device, CUmemAccess_flags flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE) noexcept {
+  CUmemAccessDesc desc{};
+  desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  desc.location.id = device;
+  desc.flags = flags;
+  return desc;
+}
+
 /// Events with timing disabled, created once and reused: take one, give it back when its
 /// work is known to be done. Thread safety: take and give may be called concurrently.
 class cuda_event_pool {
@@ -154,14 +174,7 @@ class cuda_provider {
   friend bool operator==(const cuda_provider&, const cuda_provider&) noexcept = default;
 
  private:
-  CUmemAllocationProp properties() const noexcept {
-    CUmemAllocationProp prop{};
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = device_;
-    prop.requestedHandleTypes = shareable_ ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
-    return prop;
-  }
+  CUmemAllocationProp properties() const noexcept { return detail::cuda_device_properties(device_, shareable_); }
 
   int device_;
   bool shareable_;
@@ -257,15 +270,12 @@ class cuda_reserver {
 
   explicit cuda_reserver(int device = 0, std::vector<int> peers = {}) : device_(device) {
     detail::cuda_check(cuInit(0), "cuInit");
-    CUmemAllocationProp prop{};
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = device;
+    const CUmemAllocationProp prop = detail::cuda_device_properties(device);
     detail::cuda_check(cuMemGetAllocationGranularity(&granularity_, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
                        "cuMemGetAllocationGranularity");
-    access_.push_back(access_for(device));
+    access_.push_back(detail::cuda_access(device));
     for (int peer : peers) {
-      if (peer != device) access_.push_back(access_for(peer));
+      if (peer != device) access_.push_back(detail::cuda_access(peer));
     }
   }
 
@@ -335,14 +345,6 @@ class cuda_reserver {
 
  private:
   static CUdeviceptr to_device(void* p) noexcept { return reinterpret_cast<CUdeviceptr>(p); }
-  static CUmemAccessDesc access_for(int device) noexcept {
-    CUmemAccessDesc desc{};
-    desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    desc.location.id = device;
-    desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    return desc;
-  }
-
   int device_;
   std::size_t granularity_ = 0;
   std::vector<CUmemAccessDesc> access_;

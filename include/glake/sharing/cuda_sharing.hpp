@@ -27,23 +27,6 @@ namespace detail {
 
 inline CUdeviceptr device_pointer(const void* p) noexcept { return reinterpret_cast<CUdeviceptr>(p); }
 
-inline CUmemAccessDesc cuda_access(int device, CUmemAccess_flags flags) noexcept {
-  CUmemAccessDesc desc{};
-  desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  desc.location.id = device;
-  desc.flags = flags;
-  return desc;
-}
-
-inline CUmemAllocationProp cuda_device_properties(int device, bool shareable) noexcept {
-  CUmemAllocationProp prop{};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = device;
-  prop.requestedHandleTypes = shareable ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
-  return prop;
-}
-
 // A handle mapped read-write (or read-only) in an address range of its own, for copies; unmapped
 // and the range freed by the destructor. The handle stays the caller's.
 class cuda_scratch_view {
