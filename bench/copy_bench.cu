@@ -132,18 +132,11 @@ int main(int argc, char** argv) {
     const std::size_t n = mib * MiB;
     const int reps = mib >= 4096 ? std::min(repeats, 5) : repeats;
     void* dev = nullptr;
-    void* pinned = nullptr;
     check(cudaMalloc(&dev, n), "cudaMalloc");
-    check(cudaMallocHost(&pinned, n), "cudaMallocHost");
-    auto* pageable = static_cast<unsigned char*>(std::malloc(n));
-    auto* back = static_cast<unsigned char*>(std::malloc(n));
-    if (pageable == nullptr || back == nullptr) {
-      std::fprintf(stderr, "malloc of %zu bytes failed\n", n);
-      return 1;
-    }
-    fill_pattern(pageable, n, 1);
-    std::memset(back, 0, n);
-    std::memcpy(pinned, pageable, n);
+    host_buffers host(n, 1);
+    void* const pinned = host.pinned;
+    unsigned char* const pageable = host.pageable;
+    unsigned char* const back = host.back;
     sizes_row row{n, {}, {}, false, false};
 
     // Correctness, once: glake's copy there and back.
@@ -189,9 +182,6 @@ int main(int argc, char** argv) {
       json("sizes", n, "d2h", d2h[k].name, row.d2h.back(), d2h[k].rates.size());
     }
     rows.push_back(row);
-    std::free(back);
-    std::free(pageable);
-    check(cudaFreeHost(pinned), "cudaFreeHost");
     check(cudaFree(dev), "cudaFree");
   }
   copier.release_staging();

@@ -1,6 +1,6 @@
 // What the copy benchmarks (copy_bench.cu, multipath_bench.cu) share: CUDA error checks, timing
 // of one copy to the end of a stream, interleaved rounds of methods, medians and percentiles, the
-// driver's version, and a fill pattern.
+// driver's version, a fill pattern, and the host buffers a copy is measured from and to.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -103,5 +103,34 @@ inline void fill_pattern(unsigned char* p, std::size_t n, unsigned seed) {
   for (std::size_t i = 0; i < n / 8; ++i) w[i] = (i * 0x9E3779B97F4A7C15ull) ^ seed;
   for (std::size_t i = n / 8 * 8; i < n; ++i) p[i] = static_cast<unsigned char>(i ^ seed);
 }
+
+// The host side of a copy benchmark of n bytes: `pageable` filled with a pattern, `pinned`
+// (cudaMallocHost) holding the same bytes, and `back`, zeroed, for copies to the host.
+struct host_buffers {
+  explicit host_buffers(std::size_t n, unsigned seed) : bytes(n) {
+    check(cudaMallocHost(&pinned, n), "cudaMallocHost");
+    pageable = static_cast<unsigned char*>(std::malloc(n));
+    back = static_cast<unsigned char*>(std::malloc(n));
+    if (pageable == nullptr || back == nullptr) {
+      std::fprintf(stderr, "malloc of %zu bytes failed\n", n);
+      std::exit(1);
+    }
+    fill_pattern(pageable, n, seed);
+    std::memset(back, 0, n);
+    std::memcpy(pinned, pageable, n);
+  }
+  host_buffers(const host_buffers&) = delete;
+  host_buffers& operator=(const host_buffers&) = delete;
+  ~host_buffers() {
+    std::free(back);
+    std::free(pageable);
+    (void)cudaFreeHost(pinned);
+  }
+
+  std::size_t bytes;
+  void* pinned = nullptr;
+  unsigned char* pageable = nullptr;
+  unsigned char* back = nullptr;
+};
 
 }  // namespace glake::bench

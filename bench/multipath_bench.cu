@@ -142,18 +142,11 @@ int main(int argc, char** argv) {
   }
   check(cudaSetDevice(0), "cudaSetDevice");
   void* target = nullptr;
-  void* pinned = nullptr;
   check(cudaMalloc(&target, max_bytes), "cudaMalloc");
-  check(cudaMallocHost(&pinned, max_bytes), "cudaMallocHost");
-  auto* pageable = static_cast<unsigned char*>(std::malloc(max_bytes));
-  auto* back = static_cast<unsigned char*>(std::malloc(max_bytes));
-  if (pageable == nullptr || back == nullptr) {
-    std::fprintf(stderr, "malloc of %zu bytes failed\n", max_bytes);
-    return 1;
-  }
-  fill_pattern(pageable, max_bytes, 7);
-  std::memset(back, 0, max_bytes);
-  std::memcpy(pinned, pageable, max_bytes);
+  host_buffers buffers(max_bytes, 7);
+  void* const pinned = buffers.pinned;
+  unsigned char* const pageable = buffers.pageable;
+  unsigned char* const back = buffers.back;
 
   // --- links, one at a time ----------------------------------------------------------------------
   const int cal_reps = std::max(3, repeats);
@@ -332,9 +325,6 @@ int main(int argc, char** argv) {
   bool ok = true;
   for (const row& r : rows) ok = ok && r.ok;
   direct_copier.release_staging();
-  std::free(back);
-  std::free(pageable);
-  check(cudaFreeHost(pinned), "cudaFreeHost");
   check(cudaFree(target), "cudaFree");
   for (int d = 0; d < most; ++d) {
     check(cudaSetDevice(d), "cudaSetDevice");
