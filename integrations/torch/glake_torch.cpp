@@ -34,13 +34,18 @@
 #include "glake/movers/virtual_buffer.hpp"
 #include "movable.hpp"
 #include "settings.hpp"
+#include "shared_weights.hpp"
 
 #if GLAKE_TORCH_SIMULATED
+#include <sys/mman.h>
+
 #include "glake/backends/sim.hpp"
+#include "glake/sharing/host_sharing.hpp"
 #else
 #include <cuda.h>
 
 #include "glake/backends/cuda.hpp"
+#include "glake/sharing/cuda_sharing.hpp"
 #endif
 
 namespace {
@@ -84,6 +89,28 @@ std::unique_ptr<movable_buffer> make_movable(std::size_t bytes, int device) {
 }
 
 std::size_t device_total_bytes(int) { return simulated_device_bytes; }
+
+// Shared weights (glake_shared_create): the simulated devices have no bytes to share, so host
+// memory stands in for device memory, shared through memfds as the host backend of the dedup
+// client does; 2 MiB pieces, as on a GPU.
+struct host_region_maker {
+  static constexpr std::size_t piece = 2 * MiB;
+  std::size_t granularity() const noexcept { return piece; }
+  void* make(std::size_t bytes, int) {
+    void* p = ::mmap(nullptr, bytes + piece, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw out_of_memory(bytes, 0, 0, "glake_shared_create: mmap of " + format_bytes(bytes) + " failed");
+    auto* start = static_cast<char*>(p);
+    auto* aligned = reinterpret_cast<char*>((reinterpret_cast<std::uintptr_t>(start) + piece - 1) / piece * piece);
+    if (aligned != start) ::munmap(start, static_cast<std::size_t>(aligned - start));
+    const std::size_t tail = piece - static_cast<std::size_t>(aligned - start);
+    if (tail != 0) ::munmap(aligned + bytes, tail);
+    return aligned;
+  }
+  void unmake(void* p, std::size_t bytes) noexcept { ::munmap(p, bytes); }
+  host_shareable_backend backend(int) const { return host_shareable_backend{}; }
+};
+static_assert(torch_plugin::region_maker<host_region_maker>);
+using weights_registry = torch_plugin::shared_weights_registry<host_region_maker, fast_content_hasher>;
 
 #else
 
@@ -153,6 +180,56 @@ std::unique_ptr<movable_buffer> make_movable(std::size_t bytes, int device) {
   return std::make_unique<movable_buffer>(cuda_provider(device), cuda_host_provider(device), cuda_reserver(device),
                                           cuda_copier{}, bytes);
 }
+
+// Shared weights (glake_shared_create): 2 MiB pieces, each mapped on a handle released at once,
+// so that the mapping holds the only reference and the dedup client's remap gives it back.
+struct cuda_region_maker {
+  static constexpr std::size_t piece = 2 * MiB;  // the device granularity on every GPU glake runs on
+  std::size_t granularity() const noexcept { return piece; }
+  void* make(std::size_t bytes, int device) {
+    device_scope scope(device);
+    cuda_reserver reserver(device);
+    cuda_provider provider(device);
+    if (piece % reserver.granularity() != 0) {
+      throw usage_error(usage_error::kind::bad_argument, "glake_shared_create: the device's granularity (" +
+                                                             std::to_string(reserver.granularity()) +
+                                                             " bytes) does not divide 2 MiB");
+    }
+    void* p = reserver.try_reserve(bytes);
+    if (p == nullptr) throw out_of_memory(bytes, 0, 0, "glake_shared_create: out of address space");
+    std::size_t mapped = 0;
+    try {
+      for (; mapped < bytes; mapped += piece) {
+        const std::optional<CUmemGenericAllocationHandle> h = provider.try_create(piece);
+        if (!h) throw out_of_memory(bytes, 0, 0, "glake_shared_create: out of device memory for " + format_bytes(bytes));
+        const bool ok = reserver.try_map(static_cast<char*>(p) + mapped, piece, *h);
+        provider.release(*h);  // the mapping keeps it
+        if (!ok) throw out_of_memory(bytes, 0, 0, "glake_shared_create: mapping ran out of resources");
+      }
+      if (!reserver.try_set_access(p, bytes)) throw out_of_memory(bytes, 0, 0, "glake_shared_create: cuMemSetAccess ran out of resources");
+    } catch (...) {
+      unmap_pieces(p, mapped);
+      (void)cuMemAddressFree(reinterpret_cast<CUdeviceptr>(p), bytes);
+      throw;
+    }
+    return p;
+  }
+  // Piece by piece: a mapping is unmapped whole (the dedup client may have replaced any of them).
+  void unmake(void* p, std::size_t bytes) noexcept {
+    unmap_pieces(p, bytes);
+    (void)cuMemAddressFree(reinterpret_cast<CUdeviceptr>(p), bytes);
+  }
+  cuda_shareable_backend backend(int device) const { return cuda_shareable_backend(device); }
+
+ private:
+  static void unmap_pieces(void* p, std::size_t bytes) noexcept {
+    for (std::size_t at = 0; at < bytes; at += piece) {
+      (void)cuMemUnmap(reinterpret_cast<CUdeviceptr>(static_cast<char*>(p) + at), piece);
+    }
+  }
+};
+static_assert(torch_plugin::region_maker<cuda_region_maker>);
+using weights_registry = torch_plugin::shared_weights_registry<cuda_region_maker, cuda_staged_hasher>;
 
 /// The device's memory (cuDeviceTotalMem), what PyTorch's memory fraction is a fraction of; 0
 /// when the driver cannot say.
@@ -749,6 +826,49 @@ GLAKE_TORCH_API size_t glake_set_movable_scope(size_t min_bytes) {
 GLAKE_TORCH_API size_t glake_last_error(char* buffer, size_t size) {
   copy_text(last_error, buffer, size);
   return last_error.size();
+}
+
+}  // extern "C"
+
+// Shared weights: regions of device memory of their own (shared_weights.hpp), published to a
+// dedup broker. Never destroyed, for the same reason as plugin(): the process's end unmaps them
+// and its connections' end drops their references at the broker.
+namespace {
+weights_registry& shared_weights() {
+  static auto* const instance = new weights_registry();
+  return *instance;
+}
+}  // namespace
+
+extern "C" {
+
+GLAKE_TORCH_API void* glake_shared_create(size_t bytes, int device) {
+  void* p = nullptr;
+  movable_call("creating a shared region", nullptr, [&] { p = shared_weights().create(bytes, device); });
+  return p;
+}
+
+GLAKE_TORCH_API int glake_share(void* ptr, const char* socket, const char* start_broker, uint64_t* values,
+                                size_t capacity) {
+  return movable_call("sharing", ptr, [&] {
+    const int device = shared_weights().device_of(ptr);
+    if (device < 0) {
+      throw usage_error(usage_error::kind::foreign_pointer, "it starts no shared region (glake_shared_create)");
+    }
+    device_scope scope(device);
+    const torch_plugin::share_totals t =
+        shared_weights().publish(ptr, socket != nullptr ? socket : "", start_broker != nullptr ? start_broker : "");
+    const std::uint64_t all[] = {t.pieces, t.shared, t.stored, t.kept_private, t.shared_bytes};
+    for (std::size_t i = 0; i < capacity && i < std::size(all); ++i) values[i] = all[i];
+  });
+}
+
+GLAKE_TORCH_API int glake_shared_destroy(void* ptr) {
+  return movable_call("destroying the shared region", ptr, [&] {
+    const int device = shared_weights().device_of(ptr);
+    device_scope scope(device < 0 ? 0 : device);
+    shared_weights().destroy(ptr);
+  });
 }
 
 }  // extern "C"

@@ -124,6 +124,27 @@ GLAKE_TORCH_API size_t glake_movable_stats(uint64_t* values, size_t capacity);
  * `size`; returns the message's full length. */
 GLAKE_TORCH_API size_t glake_last_error(char* buffer, size_t size);
 
+/* Shared weights (docs/dedup.md): a region of device memory of at least `bytes` (rounded up to
+ * 2 MiB) on `device`, writable, held by its mappings alone (not by glake's allocator); null on
+ * failure (glake_last_error). The simulated library makes host memory instead. */
+GLAKE_TORCH_API void* glake_shared_create(size_t bytes, int device);
+
+/* Publishes the whole region starting at `ptr` to the dedup broker at `socket` (starting the
+ * glake-dedup executable `start_broker` there when none listens, unless null): each 2 MiB piece
+ * another process published with the same bytes is mapped on that process's copy, and this
+ * process's memory behind it goes back to the driver. The region is read-only from then on (a
+ * write faults). Work that filled it must have completed. Writes up to `capacity` of: pieces,
+ * pieces shared (mapped on an earlier copy), pieces stored (this copy kept for others), pieces
+ * kept private (the broker was unreachable or refused them: the reason went to stderr), bytes
+ * given back; returns 0, -1 misuse (not a region, published already, no socket), -2 out of
+ * memory, -3 another failure. */
+GLAKE_TORCH_API int glake_share(void* ptr, const char* socket, const char* start_broker, uint64_t* values,
+                                size_t capacity);
+
+/* Destroys the region starting at `ptr`, giving up its references at the broker. Work using it
+ * must have completed. */
+GLAKE_TORCH_API int glake_shared_destroy(void* ptr);
+
 /* Writes out buffered trace lines (GLAKE_TRACE); exit() does it as well. */
 GLAKE_TORCH_API void glake_flush_traces(void);
 

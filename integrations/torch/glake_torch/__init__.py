@@ -185,6 +185,14 @@ def load(library=None):
     lib.glake_set_movable_scope.argtypes = [ctypes.c_size_t]
     lib.glake_last_error.restype = ctypes.c_size_t
     lib.glake_last_error.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    if hasattr(lib, "glake_shared_create"):  # libraries built before shared weights lack them
+        lib.glake_shared_create.restype = ctypes.c_void_p
+        lib.glake_shared_create.argtypes = [ctypes.c_size_t, ctypes.c_int]
+        lib.glake_share.restype = ctypes.c_int
+        lib.glake_share.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p,
+                                    ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+        lib.glake_shared_destroy.restype = ctypes.c_int
+        lib.glake_shared_destroy.argtypes = [ctypes.c_void_p]
     _names = lib.glake_stats_names().decode().split(",")
     _lib, _lib_path = lib, path
     atexit.register(lib.glake_flush_traces)
@@ -850,3 +858,117 @@ def load_safetensors(path, device=None, stream=None):
             t.view(-1).view(torch.uint8).copy_(piece)
             tensors[e.name] = t
     return tensors
+
+
+SHARE_FIELDS = ("pieces", "shared", "stored", "kept_private", "shared_bytes")
+
+
+class SharedMemory:
+    """A region of device memory for weights that several processes may share read-only
+    (glake_shared_create): `nbytes` rounded up to 2 MiB on `device`, held by its own mappings, not
+    by glake's allocator, so that sharing a piece gives this process's copy back to the driver.
+    share() publishes it to a dedup broker (glake-dedup); it is read-only from then on. A tensor
+    made over it keeps it alive through __cuda_array_interface__; it is destroyed with the last
+    reference, after the device has finished with it."""
+
+    def __init__(self, nbytes, device=None, library=None):
+        if nbytes <= 0:
+            raise ValueError(f"glake_torch: a shared region of {nbytes} bytes")
+        self._lib = load(library)
+        if not hasattr(self._lib, "glake_shared_create"):
+            raise RuntimeError("glake_torch: this libglake_torch.so has no shared weights (rebuild it)")
+        self.device = _device_index(device)
+        self.ptr = self._lib.glake_shared_create(int(nbytes), self.device)
+        if not self.ptr:
+            message = f"glake_torch: a shared region of {nbytes} bytes on device {self.device}: {_last_error(self._lib)}"
+            if "out of" in message or "ran out" in message:
+                torch = sys.modules.get("torch")
+                raise (getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None) or MemoryError)(message)
+            raise RuntimeError(message)
+        granule = 2 << 20
+        self.nbytes = (int(nbytes) + granule - 1) // granule * granule
+        self.published = None
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 2}
+
+    def share(self, socket, start_broker=None):
+        """Publishes the whole region to the broker at `socket` (starting the glake-dedup executable
+        `start_broker` there if none listens). Returns {pieces, shared, stored, kept_private,
+        shared_bytes}: pieces now on another process's copy, on this one's (kept for others), or
+        kept private (broker unreachable or refusing: said once on stderr), and the bytes given
+        back. ValueError when published already."""
+        values = (ctypes.c_uint64 * len(SHARE_FIELDS))()
+        code = self._lib.glake_share(self.ptr, os.fsencode(socket),
+                                     os.fsencode(start_broker) if start_broker else None, values, len(values))
+        _raise_for(code, self._lib, "share")
+        self.published = dict(zip(SHARE_FIELDS, (int(v) for v in values)))
+        return dict(self.published)
+
+    def __del__(self):
+        ptr, self.ptr = getattr(self, "ptr", None), None
+        if ptr:
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_initialized():
+                torch.cuda.synchronize(self.device)
+            self._lib.glake_shared_destroy(ptr)
+
+
+def shared_weights_layout(tensors, alignment=256):
+    """Where share_weights puts each tensor: [(offset, nbytes)], in order, each offset a multiple
+    of `alignment`, and the total. The same tensors (shapes and dtypes) give the same layout in
+    every process, which is what lets equal weights land in equal pieces."""
+    layout, offset = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        layout.append((offset, n))
+        offset = (offset + n + alignment - 1) // alignment * alignment
+    return layout, offset
+
+
+def share_weights(model, socket, start_broker=None):
+    """Moves `model`'s parameters and buffers (all on one CUDA device) into one SharedMemory region
+    and publishes it to the dedup broker at `socket`: processes that load the same weights keep
+    one copy of them on the device. The parameters stay the same objects (their .data is replaced
+    by views of the region); tensors shared by several modules stay shared. The weights are
+    read-only afterwards: for inference (a write faults on the device). Returns the totals of
+    SharedMemory.share plus "bytes", the region's size."""
+    import torch
+
+    seen, order, owners = {}, [], []
+    for module_name, module in model.named_modules():
+        for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
+            for name, t in table.items():
+                if t is None:
+                    continue
+                key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+                if key not in seen:
+                    seen[key] = len(order)
+                    order.append(t)
+                owners.append((module, kind, name, seen[key]))
+    if not order:
+        raise ValueError("glake_torch.share_weights: the model has no parameters or buffers")
+    devices = {t.device for t in order}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        raise ValueError(f"glake_torch.share_weights: the weights must be on one CUDA device, not {sorted(map(str, devices))}")
+    device = next(iter(devices))
+    layout, total = shared_weights_layout(order)
+    memory = SharedMemory(max(total, 1), device.index)
+    raw = torch.as_tensor(memory, device=device)
+    raw.zero_()  # the padding too: equal weights must give equal pieces
+    views = []
+    with torch.no_grad():
+        for t, (offset, n) in zip(order, layout):
+            view = raw[offset:offset + n].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            views.append(view)
+    torch.cuda.synchronize(device)
+    totals = memory.share(socket, start_broker)
+    for module, kind, name, index in owners:
+        if kind == "param":
+            module._parameters[name].data = views[index]
+        else:
+            module._buffers[name] = views[index]
+    totals["bytes"] = memory.nbytes
+    return totals
