@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""N processes serving the same model on one GPU: device memory with and without
+glake_torch.share_weights, the time to deduplicate, inference throughput before and after, and
+what is left on the device after processes are killed while publishing.
+
+The model: a Llama-shaped decoder (transformers' LlamaForCausalLM, 16 layers, 2048 wide, 5632 MLP,
+32000 vocabulary: ~1.1 B parameters, ~2.2 GB in bf16), initialised on the GPU from one seed, so
+that every process holds the same bytes. Each worker process builds it, times --iters forward
+passes (batch x tokens, no_grad), then (mode glake) calls share_weights and
+torch.cuda.empty_cache(), times the forward passes again, and reports; it then waits, so that all
+N are alive when the parent reads the device's memory in use (cudaMemGetInfo, from the parent,
+whose own context is counted in the baseline taken before the workers start).
+
+Modes, one after another in one call, for each N in --processes:
+  private  N workers, no sharing: N copies of the weights
+  glake    a glake-dedup broker, N workers sharing: one copy, plus per-process overhead
+  kill     a broker and N workers, each killed (SIGKILL) at a random moment while it publishes;
+           after all are gone and the broker is stopped, the memory in use must be back at the
+           baseline (no leak)
+
+Output: one JSON object a line per worker and per run, then a markdown table.
+
+  python3 bench/torch/share_weights.py --library build/torch/libglake_torch.so \\
+      --dedup build/release/tools/glake-dedup --processes 2,4,8
+"""
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(ROOT, "integrations", "torch"))
+GiB = 1 << 30
+
+
+def build_model(torch, args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
+                         num_attention_heads=args.hidden // 128, num_key_value_heads=args.hidden // 128,
+                         vocab_size=32000, max_position_embeddings=4096)
+    torch.manual_seed(args.seed)
+    torch.cuda.manual_seed(args.seed)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.eval()
+    return model
+
+
+def forward_ms(torch, model, args):
+    ids = torch.randint(0, 32000, (args.batch, args.tokens), device="cuda",
+                        generator=torch.Generator(device="cuda").manual_seed(7))
+    times = []
+    with torch.no_grad():
+        model(ids)  # warm-up
+        for _ in range(args.iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            logits = model(ids).logits
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+    return statistics.median(times), float(logits.float().sum())
+
+
+def worker(args):
+    import torch
+    import glake_torch
+
+    glake_torch.load(args.library)
+    model = build_model(torch, args)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    before_ms, before_sum = forward_ms(torch, model, args)
+    report = {"rank": args.rank, "weight_bytes": weight_bytes, "forward_ms_before": before_ms}
+    if args.socket:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        totals = glake_torch.share_weights(model, args.socket)
+        torch.cuda.empty_cache()
+        report["share_s"] = time.perf_counter() - t0
+        report.update(totals)
+        after_ms, after_sum = forward_ms(torch, model, args)
+        report["forward_ms_after"] = after_ms
+        report["same_output"] = after_sum == before_sum
+    print(json.dumps(report), flush=True)
+    sys.stdin.readline()  # alive until the parent has measured
+
+
+def used_bytes(torch):
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def start_broker(args, directory):
+    socket = os.path.join(directory, "broker.sock")
+    broker = subprocess.Popen([args.dedup, "--socket", socket, "--quiet"])
+    deadline = time.monotonic() + 30
+    while not os.path.exists(socket):
+        if time.monotonic() > deadline or broker.poll() is not None:
+            raise SystemExit("glake-dedup did not start")
+        time.sleep(0.01)
+    return broker, socket
+
+
+def spawn(args, rank, socket):
+    command = [sys.executable, os.path.abspath(__file__), "--worker", "--rank", str(rank), "--library", args.library,
+               "--iters", str(args.iters), "--batch", str(args.batch), "--tokens", str(args.tokens),
+               "--layers", str(args.layers), "--hidden", str(args.hidden), "--ffn", str(args.ffn)]
+    if socket:
+        command += ["--socket", socket]
+    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def run(torch, args, mode, n):
+    baseline = used_bytes(torch)
+    with tempfile.TemporaryDirectory(prefix="glake-share-") as directory:
+        broker, socket = start_broker(args, directory) if mode != "private" else (None, None)
+        workers, reports = [], []
+        try:
+            if mode == "kill":
+                rng = random.Random(n)
+                for rank in range(n):
+                    w = spawn(args, rank, socket)
+                    workers.append(w)
+                    time.sleep(rng.uniform(args.kill_after[0], args.kill_after[1]))
+                    w.send_signal(signal.SIGKILL)
+                for w in workers:
+                    w.wait()
+                peak = None
+            else:
+                for rank in range(n):  # one after another: the first stores, the others share
+                    w = spawn(args, rank, socket)
+                    workers.append(w)
+                    line = w.stdout.readline()
+                    if not line:
+                        raise SystemExit(f"worker {rank} ({mode}) failed")
+                    reports.append(json.loads(line))
+                    print(json.dumps({"mode": mode, "n": n, **reports[-1]}), flush=True)
+                peak = used_bytes(torch)
+                for w in workers:
+                    w.stdin.write("\n")
+                    w.stdin.flush()
+                for w in workers:
+                    w.wait()
+        finally:
+            for w in workers:
+                if w.poll() is None:
+                    w.kill()
+                    w.wait()
+            if broker is not None:
+                broker.terminate()
+                broker.wait(30)
+    time.sleep(1)
+    after = used_bytes(torch)
+    result = {"mode": mode, "n": n, "baseline_gib": baseline / GiB, "after_gib": after / GiB,
+              "leak_gib": (after - baseline) / GiB}
+    if peak is not None:
+        weights = reports[0]["weight_bytes"]
+        result.update({
+            "weights_gib": weights / GiB,
+            "in_use_gib": (peak - baseline) / GiB,
+            "copies": (peak - baseline) / weights,
+            "share_s": [r.get("share_s") for r in reports],
+            "forward_ms_before": statistics.median(r["forward_ms_before"] for r in reports),
+            "forward_ms_after": statistics.median(r.get("forward_ms_after", r["forward_ms_before"]) for r in reports),
+            "same_output": all(r.get("same_output", True) for r in reports),
+            "shared_pieces": [r.get("shared") for r in reports],
+        })
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--library", required=True)
+    parser.add_argument("--dedup", help="glake-dedup")
+    parser.add_argument("--processes", default="2,4,8")
+    parser.add_argument("--modes", default="private,glake,kill")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--ffn", type=int, default=5632)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kill-after", type=float, nargs=2, default=(4.0, 12.0),
+                        help="seconds after its start at which each worker of mode kill is killed")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--socket", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    modes = args.modes.split(",")
+    if any(m != "private" for m in modes) and not args.dedup:
+        raise SystemExit("--dedup PATH (glake-dedup) is needed for modes glake and kill")
+    import torch
+
+    torch.cuda.init()
+    results = [run(torch, args, mode, int(n)) for n in args.processes.split(",") for mode in modes]
+    print("\n| N | mode | weights GiB | in use GiB | copies | share s (first, others) | forward ms before / after | same output | left after exit GiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "in_use_gib" in r:
+            share = [s for s in r["share_s"] if s is not None]
+            share_text = f"{share[0]:.2f}, {statistics.median(share[1:]):.2f}" if len(share) > 1 else "-"
+            print(f"| {r['n']} | {r['mode']} | {r['weights_gib']:.2f} | {r['in_use_gib']:.2f} | {r['copies']:.2f} | "
+                  f"{share_text} | {r['forward_ms_before']:.1f} / {r['forward_ms_after']:.1f} | {r['same_output']} | "
+                  f"{r['leak_gib']:.2f} |")
+        else:
+            print(f"| {r['n']} | {r['mode']} | | | | | | | {r['leak_gib']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
