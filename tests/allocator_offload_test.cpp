@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "glake/allocators/stitching_allocator.hpp"
@@ -212,6 +213,24 @@ TEST_CASE("offload: a block whose handles a live stitched allocation also maps i
   a.verify();
 }
 
+// The state and requested bytes visit_state shows for the block (or stitched range) at p.
+std::pair<block_state, std::size_t> state_of(const sim_alloc& a, const void* p) {
+  struct finder {
+    std::uintptr_t at;
+    std::pair<block_state, std::size_t> found{block_state::free, ~std::size_t{0}};
+    void segment(const segment_view&) {}
+    void block(const block_view& b) {
+      if (b.address == at && b.stitched_into == 0) found = {b.state, b.requested};
+    }
+    void stitched(const stitched_view& r) {
+      if (r.address == at && r.live) found = {r.state, r.requested};
+    }
+    void piece(const stitched_piece_view&) {}
+  } v{reinterpret_cast<std::uintptr_t>(p)};
+  a.visit_state(v);
+  return v.found;
+}
+
 TEST_CASE("offload: freed while offloaded, memory comes back to the device, or waits there when the device is full") {
   sim_device gpu(64 * M, 2 * M, 256 * M);
   sim_alloc a{sim_provider(gpu), sim_reserver(gpu)};
@@ -238,6 +257,8 @@ TEST_CASE("offload: freed while offloaded, memory comes back to the device, or w
     CHECK_FALSE(a.owns(p));
     CHECK_THROWS_AS(a.deallocate(p, 32 * M), usage_error);  // a double free is still one
     CHECK_THROWS_AS(a.prefetch(p), usage_error);
+    CHECK(state_of(a, p) == std::pair{block_state::pending_free, std::size_t{0}});  // freed, not reusable yet
+    CHECK(state_of(a, filler) == std::pair{block_state::allocated, 64 * M});
     a.verify();
     a.deallocate(filler, 64 * M);
     a.release_cached();  // gives the free segment back, then finds room for the parked one

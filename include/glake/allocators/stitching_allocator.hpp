@@ -270,7 +270,8 @@ class stitching_allocator {
   /// Shows `v` every segment (address order) with its blocks, the small pool's blocks in place
   /// of the blocks it borrowed, then every stitched range, live or cached, with its pieces.
   /// A block that a live stitched range claims is shown allocated (or pending) with
-  /// `stitched_into` set and `requested` 0: the request is the range's. O(blocks + pieces +
+  /// `stitched_into` set and `requested` 0: the request is the range's. An allocation freed
+  /// while offloaded and parked (its memory waiting in far memory) is pending_free, requested 0. O(blocks + pieces +
   /// p log p) for p record_stream'd frees waiting; allocates a little scratch when p > 0.
   template <state_visitor V>
   void visit_state(V& v) const {
@@ -280,10 +281,18 @@ class stitching_allocator {
       deferred_.for_each_pending([&](const void* p) { pending.push_back(p); });
       std::sort(pending.begin(), pending.end());
     }
+    // Freed but not reusable yet: a free waiting for recorded streams, or an allocation parked
+    // in far memory (freed while offloaded, its memory waiting for room on the device).
     const auto live_state = [&](std::uintptr_t address) {
-      return std::binary_search(pending.begin(), pending.end(), reinterpret_cast<const void*>(address))
-                 ? block_state::pending_free
-                 : block_state::allocated;
+      if (std::binary_search(pending.begin(), pending.end(), reinterpret_cast<const void*>(address))) {
+        return block_state::pending_free;
+      }
+      if (parked_ > 0) {
+        if (const auto it = moved_.find(address); it != moved_.end() && it->second.parked) {
+          return block_state::pending_free;
+        }
+      }
+      return block_state::allocated;
     };
     pool_.arena().for_each_block([&](const block_type& b) {
       if (b.address == b.segment->mapping.base) {
