@@ -1,0 +1,139 @@
+// allocation_memory: one live allocation of the stitching allocator as tiered_memory, moved whole
+// with its bytes (host backend), refusing ranges outside it, and kept under a budget by a
+// workload_scheduler (simulated device: the device's own count stays within the budget).
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "glake/allocators/stitching_allocator.hpp"
+#include "glake/backends/host.hpp"
+#include "glake/backends/sim.hpp"
+#include "glake/scheduling/allocation_memory.hpp"
+#include "glake/scheduling/budget.hpp"
+#include "glake/scheduling/lru_policy.hpp"
+#include "glake/scheduling/scheduler.hpp"
+#include "support/stamp.hpp"
+
+namespace {
+
+using namespace glake;
+using testing::stamp;
+using testing::stamped;
+
+constexpr std::size_t M = 1024 * 1024;
+
+using host_alloc = stitching_allocator<host_provider, host_reserver>;
+using sim_alloc = stitching_allocator<sim_provider, sim_reserver>;
+static_assert(tiered_memory<allocation_memory<host_alloc>>);
+static_assert(tiered_memory<allocation_memory<sim_alloc>>);
+
+struct step_clock {
+  using time_point = std::chrono::time_point<std::chrono::steady_clock, std::chrono::nanoseconds>;
+  std::shared_ptr<std::atomic<std::int64_t>> ns = std::make_shared<std::atomic<std::int64_t>>(0);
+  time_point now() const { return time_point(std::chrono::nanoseconds(ns->load())); }
+};
+static_assert(schedule_clock<step_clock>);
+
+}  // namespace
+
+TEST_CASE("allocation_memory: the allocation moves whole, under the same pointer, with its bytes") {
+  host_provider device(2 * M, 256 * M);
+  host_alloc a(device, host_reserver(2 * M));
+  host_provider far(2 * M);
+  a.attach_far_memory(far, host_copier{});
+  void* p = a.allocate(16 * M);
+  stamp(p, 16 * M, 5);
+  allocation_memory<host_alloc> m(a, p, 16 * M);
+  CHECK(m.data() == p);
+  CHECK(m.size() == 16 * M);
+  CHECK(m.residence_of(16 * M - 1) == residence::device);
+
+  m.offload(4 * M, 1);  // any range inside moves all of it
+  CHECK(m.residence_of(0) == residence::host);
+  CHECK(a.residence_of(p) == residence::host);
+  CHECK(far.created_bytes() == 16 * M);
+  CHECK(stamped(p, 16 * M, 5));
+  CHECK_THROWS_AS(m.offload(0, 16 * M), usage_error);  // on the host already: the allocator's refusal
+
+  m.prefetch(0, 16 * M);
+  CHECK(m.residence_of(0) == residence::device);
+  CHECK(far.created_bytes() == 0);
+  CHECK(stamped(p, 16 * M, 5));
+  m.record_stream(stream_ref{});  // the allocator's own rules: the default stream is no other stream
+  a.verify();
+  a.deallocate(p, 16 * M);
+}
+
+TEST_CASE("allocation_memory: ranges outside the allocation and empty allocations are refused, nothing moves") {
+  host_provider device(2 * M, 64 * M);
+  host_alloc a(device, host_reserver(2 * M));
+  host_provider far(2 * M);
+  a.attach_far_memory(far, host_copier{});
+  void* p = a.allocate(8 * M);
+  allocation_memory<host_alloc> m(a, p, 8 * M);
+  CHECK_THROWS_AS(m.residence_of(8 * M), usage_error);
+  CHECK_THROWS_AS(m.offload(8 * M, 1), usage_error);
+  CHECK_THROWS_AS(m.offload(0, 8 * M + 1), usage_error);
+  CHECK_THROWS_AS(m.offload(4 * M, 0), usage_error);
+  CHECK_THROWS_AS(m.prefetch(0, 9 * M), usage_error);
+  CHECK(a.residence_of(p) == residence::device);
+  CHECK(far.created_bytes() == 0);
+  CHECK_THROWS_AS(allocation_memory<host_alloc>(a, nullptr, 8 * M), usage_error);
+  CHECK_THROWS_AS(allocation_memory<host_alloc>(a, p, 0), usage_error);
+  a.deallocate(p, 8 * M);
+}
+
+TEST_CASE("allocation_memory: a workload_scheduler keeps allocator blocks within a budget below their sum") {
+  sim_device gpu(256 * M, 2 * M, 256 * M);
+  sim_alloc a{sim_provider(gpu), sim_reserver(gpu)};
+  a.attach_far_memory(sim_host_provider(gpu), sim_copier(gpu));
+  using memory = allocation_memory<sim_alloc>;
+  const std::vector<std::size_t> sizes = {16 * M, 8 * M, 12 * M, 16 * M, 8 * M, 12 * M};  // 72 MiB
+  std::vector<void*> blocks;
+  std::vector<std::unique_ptr<memory>> memories;
+  for (std::size_t s : sizes) {
+    blocks.push_back(a.allocate(s));
+    memories.push_back(std::make_unique<memory>(a, blocks.back(), s));
+  }
+  a.release_cached();
+  REQUIRE(gpu.physical_bytes() == 72 * M);  // whole 2 MiB handles: the budget's count is exact
+
+  const std::size_t budget_bytes = 40 * M;  // 55% of the sum
+  {
+    shared_budget budget(budget_bytes);
+    step_clock clock;
+    workload_scheduler<memory, lru_policy, step_clock> w(budget, "tensors", lru_policy{}, scheduler_options{}, clock);
+    std::vector<allocation_id> ids;
+    for (auto& m : memories) ids.push_back(w.manage(*m));  // on the device: earlier ones move out to fit
+    CHECK(gpu.physical_bytes() <= budget_bytes);
+    CHECK(budget.used() == gpu.physical_bytes());
+    for (int iteration = 0; iteration < 3; ++iteration) {
+      w.iteration_begin();
+      for (std::size_t k = 0; k < ids.size(); ++k) {
+        const allocation_id use[] = {ids[k], ids[(k + 1) % ids.size()]};
+        w.will_use(std::span<const allocation_id>(use));
+        CHECK(a.residence_of(blocks[k]) == residence::device);
+        CHECK(a.residence_of(blocks[(k + 1) % ids.size()]) == residence::device);
+        CHECK(gpu.physical_bytes() <= budget_bytes);
+        CHECK(budget.used() == gpu.physical_bytes());  // the allocator keeps no moved memory cached
+        clock.ns->fetch_add(100'000);
+      }
+    }
+    CHECK(w.stats().offloads > 0);
+    CHECK(w.stats().peak_device_bytes <= budget_bytes);
+    w.idle();
+    for (allocation_id id : ids) w.unmanage(id);
+  }
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    if (a.residence_of(blocks[i]) == residence::host) a.prefetch(blocks[i]);
+    a.deallocate(blocks[i], sizes[i]);
+  }
+  a.verify();
+  CHECK(gpu.violations() == 0);
+}
