@@ -93,6 +93,38 @@ class unix_listener {
   const std::string& path() const noexcept { return path_; }
   int get() const noexcept { return fd_.get(); }
 
+  /// One connection taken from the backlog (non-blocking, close-on-exec), with its peer's
+  /// credentials when the kernel tells them (`credentials`). `turn_away` is set when the
+  /// process is out of descriptors: the connection was taken with a spare one so that it does
+  /// not wake poll forever, and the caller must refuse it and close it at once.
+  struct accepted {
+    unique_fd fd;
+    peer_credentials peer;
+    bool credentials = false;
+    bool turn_away = false;
+  };
+  /// The next pending connection; nullopt when none is left (or accept failed: poll again).
+  std::optional<accepted> accept_one() {
+    for (;;) {
+      accepted a;
+      a.fd.reset(::accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+      if (!a.fd) {
+        if (errno == EINTR) continue;
+        if ((errno == EMFILE || errno == ENFILE) && spare_) {
+          spare_.reset();
+          a.fd.reset(::accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+          spare_.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+          if (!a.fd) return std::nullopt;
+          a.turn_away = true;
+          return a;
+        }
+        return std::nullopt;  // EAGAIN: none left; anything else: try again on the next poll
+      }
+      a.credentials = read_peer_credentials(a.fd.get(), a.peer);
+      return a;
+    }
+  }
+
  private:
   // Opens and locks PATH.lock. A lock file unlinked by a service that exited between our open
   // and our flock is not the one at the path any more: check, and try again.
@@ -120,6 +152,7 @@ class unix_listener {
   std::string path_;
   unique_fd lock_;  // declared before fd_: the socket goes first, then the lock
   unique_fd fd_;
+  unique_fd spare_{::open("/dev/null", O_RDONLY | O_CLOEXEC)};  // given up to take one connection
 };
 
 }  // namespace detail

@@ -160,29 +160,19 @@ class basic_dedup_broker {
   static constexpr std::size_t most_fds = 4;
 
   void accept_all() {
-    for (;;) {
-      detail::unique_fd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-      if (!fd) {
-        if (errno == EINTR) continue;
-        if ((errno == EMFILE || errno == ENFILE) && spare_) {
-          // Out of descriptors: take the connection with the spare one, turn it away, get the
-          // spare back. Otherwise the pending connection would wake poll forever.
-          spare_.reset();
-          detail::unique_fd turned(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-          if (turned) refuse(turned.get(), 0, dedup::errc::out_of_descriptors, "the broker has no descriptor left for a connection");
-          spare_.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
-          continue;
-        }
-        return;  // EAGAIN: none left; anything else: try again on the next poll
+    while (auto a = listener_.accept_one()) {
+      detail::unique_fd fd = std::move(a->fd);
+      if (a->turn_away) {
+        refuse(fd.get(), 0, dedup::errc::out_of_descriptors, "the broker has no descriptor left for a connection");
+        continue;
       }
-      detail::peer_credentials peer;
-      if (!detail::read_peer_credentials(fd.get(), peer)) {
+      if (!a->credentials) {
         refuse(fd.get(), 0, dedup::errc::permission_denied, "the broker cannot read the peer's credentials");
         continue;
       }
-      if (!options_.admit(peer)) {
+      if (!options_.admit(a->peer)) {
         refuse(fd.get(), 0, dedup::errc::permission_denied,
-               "uid " + std::to_string(peer.uid) + " gid " + std::to_string(peer.gid) + " may not use this broker");
+               "uid " + std::to_string(a->peer.uid) + " gid " + std::to_string(a->peer.gid) + " may not use this broker");
         continue;
       }
       if (clients_.size() >= options_.max_clients) {
@@ -190,7 +180,7 @@ class basic_dedup_broker {
         continue;
       }
       const int raw = fd.get();
-      clients_.emplace(raw, client{std::move(fd), std::move(peer), {}});
+      clients_.emplace(raw, client{std::move(fd), std::move(a->peer), {}});
     }
   }
 
@@ -343,8 +333,6 @@ class basic_dedup_broker {
   dedup_broker_options options_;
   [[no_unique_address]] Verifier verifier_;
   detail::unix_listener listener_;
-  // Given up to accept one connection when descriptors run out.
-  detail::unique_fd spare_{::open("/dev/null", O_RDONLY | O_CLOEXEC)};
   std::map<int, client> clients_;
   std::map<std::uint64_t, object> objects_;
   std::map<key, std::vector<std::uint64_t>> index_;
