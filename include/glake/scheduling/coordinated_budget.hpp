@@ -250,7 +250,11 @@ class coordinated_budget {
       if (!answer) return local_->acquire(id, bytes, left(deadline), ticket);
       if (std::holds_alternative<budget_wire::granted_reply>(*answer)) return mirror(id, *remote, bytes), false;
       if (!is_error(*answer, budget_wire::errc::no_room)) throw_refusal(*answer, bytes, "acquire");
-      if (local_->move_out(budget_member::ask{id, ticket, schedule_time::min()}, bytes) == 0) break;
+      // Others may take the room made before this asks again: bounded by the deadline.
+      if (std::chrono::steady_clock::now() >= deadline ||
+          local_->move_out(budget_member::ask{id, ticket, schedule_time::min()}, bytes) == 0) {
+        break;
+      }
     }
     // Then wait at the coordinator, which asks the other processes for room.
     const auto ms = std::chrono::ceil<std::chrono::milliseconds>(left(deadline)).count();
