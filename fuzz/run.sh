@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the fuzz targets (build/fuzz, Clang, -fsanitize=fuzzer,address,undefined) and runs each
 # for a bounded time from its committed corpus. Usage:
-#   fuzz/run.sh [SECONDS] [TARGET...]    TARGET: trace config alloc_ops tiered_ops dedup_protocol snapshot (default: all)
+#   fuzz/run.sh [SECONDS] [TARGET...]    TARGET: trace config alloc_ops tiered_ops dedup_protocol budget_protocol snapshot (default: all)
 # First reruns every committed reproducer in fuzz/crashes/<target>/ (each must now pass), then
 # fuzzes with fuzz/corpus/<target> as seeds; new inputs go to build/fuzz/corpus/<target>, never
 # to the committed corpus. Two targets run at a time. A crash prints the reproducer's path and
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 seconds=${1:-60}
 shift || true
 targets=("$@")
-((${#targets[@]})) || targets=(trace config alloc_ops tiered_ops dedup_protocol snapshot)
+((${#targets[@]})) || targets=(trace config alloc_ops tiered_ops dedup_protocol budget_protocol snapshot)
 build=build/fuzz
 
 cxx=${CLANGXX:-}
@@ -113,7 +113,7 @@ report() {
 }
 
 for t in "${targets[@]}"; do
-  case $t in trace | config | alloc_ops | tiered_ops | dedup_protocol | snapshot) ;; *)
+  case $t in trace | config | alloc_ops | tiered_ops | dedup_protocol | budget_protocol | snapshot) ;; *)
     echo "fuzz/run.sh: unknown target '$t'" >&2
     exit 2
     ;;

@@ -251,6 +251,12 @@ class shared_budget {
     changed_.notify_all();
   }
 
+  /// Moves victims out for `ask` (any workload's, the furthest next use first) until `bytes`
+  /// came back or no member offers anything; the bytes freed. What acquire does before it
+  /// waits; a coordinator's reclaim request is served with it. Must not be called while holding
+  /// a lock the members take.
+  std::size_t move_out(const budget_member::ask& ask, std::size_t bytes) { return reclaim(ask, bytes); }
+
  private:
   // Under mutex_.
   bool grant(workload_id id, std::size_t bytes) {
@@ -303,5 +309,46 @@ class shared_budget {
   budget_statistics stats_;
   std::shared_mutex members_guard_;  ///< shared while members are called; leave takes it alone
 };
+
+// ---------------------------------------------------------------------------------------------
+// budget_service
+//
+// What a workload_scheduler needs of the budget it shares: the accounts of its workload and
+// room made or waited for. Every call may come from any thread.
+//
+// | expression                     | returns      | meaning
+// |--------------------------------|--------------|------------------------------------------------
+// | b.join(name, member, pinned)   | workload_id  | a new workload whose victims `member` offers;
+// |                                |              | out_of_memory naming it when pinned > budget
+// | b.leave(id)                    | void, noexcept | its share goes back; member never called again
+// | b.take_ticket()                | uint64_t     | a ticket for a wait about to start (older: smaller)
+// | b.acquire(id, n, timeout, t)   | bool         | grants n bytes, moving memory out or waiting;
+// |                                |              | true when it waited; out_of_memory after timeout
+// | b.try_acquire(id, n, later)    | bool         | grants n bytes now, moving out only memory used
+// |                                |              | after `later`; false when no room
+// | b.release(id, n)               | void         | gives n bytes back
+// | b.set_pinned(id, n)            | void         | the workload needs n bytes at once; out_of_memory
+// |                                |              | naming it when more than the budget
+// | b.set_predicted(id, n)         | void         | its predicted peak (reported)
+// | b.changed()                    | void, noexcept | memory may have become movable: waiters look again
+//
+// Models: shared_budget (one process), coordinated_budget (processes sharing a coordinator,
+// scheduling/coordinated_budget.hpp).
+// ---------------------------------------------------------------------------------------------
+template <class B>
+concept budget_service = requires(B& b, std::string name, budget_member& member, workload_id id, std::size_t n,
+                                  std::chrono::nanoseconds timeout, std::uint64_t ticket, schedule_time later) {
+  { b.join(std::move(name), member, n) } -> std::same_as<workload_id>;
+  { b.leave(id) } noexcept -> std::same_as<void>;
+  { b.take_ticket() } -> std::same_as<std::uint64_t>;
+  { b.acquire(id, n, timeout, ticket) } -> std::same_as<bool>;
+  { b.try_acquire(id, n, later) } -> std::same_as<bool>;
+  { b.release(id, n) } -> std::same_as<void>;
+  { b.set_pinned(id, n) } -> std::same_as<void>;
+  { b.set_predicted(id, n) } -> std::same_as<void>;
+  { b.changed() } noexcept -> std::same_as<void>;
+};
+
+static_assert(budget_service<shared_budget>);
 
 }  // namespace glake

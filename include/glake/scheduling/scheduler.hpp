@@ -54,7 +54,8 @@ struct scheduler_statistics {
 // workload_scheduler
 //
 // Manages whole allocations (objects modelling tiered_memory, such as virtual_buffer) of one
-// workload that shares a shared_budget with others. The framework says where iterations begin
+// workload that shares a budget_service (a shared_budget in one process, a coordinated_budget
+// across processes) with others. The framework says where iterations begin
 // (iteration_begin) and, before each operation, which allocations it is about to use
 // (will_use). will_use pins them (they are never moved out until the next operation, idle() or
 // iteration_begin), tells the policy, brings back those on the host (acquiring their bytes from
@@ -86,7 +87,8 @@ struct scheduler_statistics {
 // says. Likewise memory handed to manage while on the device is there before the budget grants
 // it (manage may move other memory out, or wait, to make the accounts right).
 // ---------------------------------------------------------------------------------------------
-template <tiered_memory Memory, swap_policy Policy = lru_policy, schedule_clock Clock = std::chrono::steady_clock>
+template <tiered_memory Memory, swap_policy Policy = lru_policy, schedule_clock Clock = std::chrono::steady_clock,
+          budget_service Budget = shared_budget>
 class workload_scheduler final : public budget_member {
   struct slot {
     Memory* memory = nullptr;
@@ -99,9 +101,10 @@ class workload_scheduler final : public budget_member {
  public:
   using memory_type = Memory;
   using policy_type = Policy;
+  using budget_type = Budget;
 
   /// Joins `budget` as `name`. The policy and the clock are the scheduler's own.
-  workload_scheduler(shared_budget& budget, std::string name, Policy policy = Policy{},
+  workload_scheduler(Budget& budget, std::string name, Policy policy = Policy{},
                      scheduler_options options = {}, Clock clock = Clock{})
       : budget_(budget),
         name_(std::move(name)),
@@ -459,7 +462,7 @@ class workload_scheduler final : public budget_member {
     }
   }
 
-  shared_budget& budget_;
+  Budget& budget_;
   std::string name_;
   workload_id id_ = 0;
   mutable std::mutex mutex_;

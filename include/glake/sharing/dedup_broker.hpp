@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "glake/backends/host.hpp"
+#include "glake/detail/unix_listener.hpp"
 #include "glake/detail/unix_socket.hpp"
 #include "glake/errors.hpp"
 #include "glake/sharing/concepts.hpp"
@@ -37,16 +38,6 @@
 #include "glake/sharing/host_sharing.hpp"
 
 namespace glake {
-
-/// Who may connect: the broker's own user, and the members of one group if the operator names
-/// one. The default admission check of a broker.
-struct same_user_or_group {
-  uid_t uid = ::geteuid();
-  std::optional<gid_t> group;
-  bool operator()(const detail::peer_credentials& peer) const noexcept {
-    return peer.uid == uid || (group && peer.in_group(*group));
-  }
-};
 
 struct dedup_broker_options {
   /// Decides, from the credentials the kernel recorded at connect time, whether a peer may
@@ -101,46 +92,19 @@ class basic_dedup_broker {
   /// code EWOULDBLOCK when another broker holds the path.
   explicit basic_dedup_broker(std::string socket_path, dedup_broker_options options = {},
                               Verifier verifier = Verifier())
-      : path_(std::move(socket_path)), options_(std::move(options)), verifier_(std::move(verifier)) {
+      : options_(std::move(options)),
+        verifier_(std::move(verifier)),
+        listener_(std::move(socket_path), options_.group, "glake dedup broker") {
     if (!options_.admit) options_.admit = same_user_or_group{::geteuid(), options_.group};
-    sockaddr_un address;
-    const socklen_t length = detail::unix_address(path_, address);
-    lock_ = take_lock(path_ + ".lock");
-    ::unlink(path_.c_str());  // a stale socket of a broker that died: the lock says none runs
-    detail::unique_fd fd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-    if (!fd) detail::throw_errno("socket", errno);
-    if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&address), length) != 0) {
-      detail::throw_errno("bind", errno);
-    }
-    try {
-      // Until chmod the file has the umask's mode; nobody is admitted before listen, and the
-      // admission check stands behind the mode anyway.
-      if (options_.group) {
-        if (::chown(path_.c_str(), static_cast<uid_t>(-1), *options_.group) != 0) detail::throw_errno("chown", errno);
-        if (::chmod(path_.c_str(), 0660) != 0) detail::throw_errno("chmod", errno);
-      } else if (::chmod(path_.c_str(), 0600) != 0) {
-        detail::throw_errno("chmod", errno);
-      }
-      if (::listen(fd.get(), 128) != 0) detail::throw_errno("listen", errno);
-    } catch (...) {
-      ::unlink(path_.c_str());
-      ::unlink((path_ + ".lock").c_str());
-      throw;
-    }
-    bound_ = true;
-    listener_ = std::move(fd);
-    spare_.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
   }
   basic_dedup_broker(const basic_dedup_broker&) = delete;
   basic_dedup_broker& operator=(const basic_dedup_broker&) = delete;
   ~basic_dedup_broker() {
     clients_.clear();
     objects_.clear();
-    if (bound_) ::unlink(path_.c_str());
-    if (lock_) ::unlink((path_ + ".lock").c_str());  // while still held: see take_lock
   }
 
-  const std::string& socket_path() const noexcept { return path_; }
+  const std::string& socket_path() const noexcept { return listener_.path(); }
   dedup::broker_stats stats() const noexcept {
     dedup::broker_stats s = counters_;
     s.clients = clients_.size();
@@ -195,53 +159,20 @@ class basic_dedup_broker {
   using key = std::pair<std::array<std::uint8_t, 32>, std::uint64_t>;
   static constexpr std::size_t most_fds = 4;
 
-  // Opens and locks PATH.lock. A lock file unlinked by a broker that exited between our open
-  // and our flock is not the one at the path any more: check, and try again.
-  static detail::unique_fd take_lock(const std::string& lock_path) {
-    for (int attempt = 0; attempt < 16; ++attempt) {
-      detail::unique_fd fd(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
-      if (!fd) detail::throw_errno("open", errno);
-      if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
-        const int error = errno;
-        if (error == EWOULDBLOCK) {
-          throw driver_error("flock", EWOULDBLOCK, "another glake dedup broker serves " +
-                                                       lock_path.substr(0, lock_path.size() - 5));
-        }
-        detail::throw_errno("flock", error);
-      }
-      struct stat held {}, at_path {};
-      if (::fstat(fd.get(), &held) == 0 && ::stat(lock_path.c_str(), &at_path) == 0 &&
-          held.st_ino == at_path.st_ino && held.st_dev == at_path.st_dev) {
-        return fd;
-      }
-    }
-    throw driver_error("flock", EAGAIN, "the lock file " + lock_path + " keeps being replaced");
-  }
-
   void accept_all() {
-    for (;;) {
-      detail::unique_fd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-      if (!fd) {
-        if (errno == EINTR) continue;
-        if ((errno == EMFILE || errno == ENFILE) && spare_) {
-          // Out of descriptors: take the connection with the spare one, turn it away, get the
-          // spare back. Otherwise the pending connection would wake poll forever.
-          spare_.reset();
-          detail::unique_fd turned(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-          if (turned) refuse(turned.get(), 0, dedup::errc::out_of_descriptors, "the broker has no descriptor left for a connection");
-          spare_.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
-          continue;
-        }
-        return;  // EAGAIN: none left; anything else: try again on the next poll
+    while (auto a = listener_.accept_one()) {
+      detail::unique_fd fd = std::move(a->fd);
+      if (a->turn_away) {
+        refuse(fd.get(), 0, dedup::errc::out_of_descriptors, "the broker has no descriptor left for a connection");
+        continue;
       }
-      detail::peer_credentials peer;
-      if (!detail::read_peer_credentials(fd.get(), peer)) {
+      if (!a->credentials) {
         refuse(fd.get(), 0, dedup::errc::permission_denied, "the broker cannot read the peer's credentials");
         continue;
       }
-      if (!options_.admit(peer)) {
+      if (!options_.admit(a->peer)) {
         refuse(fd.get(), 0, dedup::errc::permission_denied,
-               "uid " + std::to_string(peer.uid) + " gid " + std::to_string(peer.gid) + " may not use this broker");
+               "uid " + std::to_string(a->peer.uid) + " gid " + std::to_string(a->peer.gid) + " may not use this broker");
         continue;
       }
       if (clients_.size() >= options_.max_clients) {
@@ -249,7 +180,7 @@ class basic_dedup_broker {
         continue;
       }
       const int raw = fd.get();
-      clients_.emplace(raw, client{std::move(fd), std::move(peer), {}});
+      clients_.emplace(raw, client{std::move(fd), std::move(a->peer), {}});
     }
   }
 
@@ -399,13 +330,9 @@ class basic_dedup_broker {
     return detail::send_message(c.fd.get(), bytes, fds, MSG_DONTWAIT) == 0;
   }
 
-  std::string path_;
   dedup_broker_options options_;
   [[no_unique_address]] Verifier verifier_;
-  detail::unique_fd lock_;
-  detail::unique_fd listener_;
-  detail::unique_fd spare_;  // given up to accept one connection when descriptors run out
-  bool bound_ = false;
+  detail::unix_listener listener_;
   std::map<int, client> clients_;
   std::map<std::uint64_t, object> objects_;
   std::map<key, std::vector<std::uint64_t>> index_;

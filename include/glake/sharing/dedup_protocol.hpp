@@ -12,6 +12,7 @@
 #include <variant>
 #include <vector>
 
+#include "glake/detail/wire.hpp"
 #include "glake/sharing/concepts.hpp"
 
 namespace glake::dedup {
@@ -86,13 +87,7 @@ struct broker_stats {
 };
 
 /// The 16-byte header of every message (host byte order: both ends are on one machine).
-struct header {
-  std::uint32_t magic = protocol_magic;
-  std::uint16_t version = protocol_version;
-  std::uint16_t type = 0;
-  std::uint32_t request = 0;  ///< chosen by the client, echoed by the reply
-  std::uint32_t body = 0;     ///< bytes after the header; must be exactly the rest of the message
-};
+using header = glake::detail::wire_header;
 inline constexpr std::size_t header_bytes = 16;
 
 // --- requests ---------------------------------------------------------------------------------
@@ -137,57 +132,20 @@ struct parse_error {
 
 namespace detail {
 
-class writer {
+class writer : public glake::detail::wire_writer {
  public:
-  writer(message_type type, std::uint32_t request) {
-    header h;
-    h.type = static_cast<std::uint16_t>(type);
-    h.request = request;
-    put(h.magic);
-    put(h.version);
-    put(h.type);
-    put(h.request);
-    put(h.body);
-  }
-  template <class T>
-  writer& put(const T& value) {
-    const auto* p = reinterpret_cast<const std::byte*>(&value);
-    bytes_.insert(bytes_.end(), p, p + sizeof value);
+  writer(message_type type, std::uint32_t request)
+      : wire_writer(protocol_magic, protocol_version, static_cast<std::uint16_t>(type), request) {}
+  writer& put(const auto& value) {
+    wire_writer::put(value);
     return *this;
   }
   writer& put_bytes(const void* data, std::size_t n) {
-    const auto* p = static_cast<const std::byte*>(data);
-    bytes_.insert(bytes_.end(), p, p + n);
+    wire_writer::put_bytes(data, n);
     return *this;
   }
-  std::vector<std::byte> finish() && {
-    const auto body = static_cast<std::uint32_t>(bytes_.size() - header_bytes);
-    std::memcpy(bytes_.data() + 12, &body, sizeof body);
-    return std::move(bytes_);
-  }
-
- private:
-  std::vector<std::byte> bytes_;
 };
-
-class reader {
- public:
-  explicit reader(std::span<const std::byte> bytes) : bytes_(bytes) {}
-  template <class T>
-  bool get(T& value) noexcept {
-    if (bytes_.size() - at_ < sizeof value) return false;
-    std::memcpy(&value, bytes_.data() + at_, sizeof value);
-    at_ += sizeof value;
-    return true;
-  }
-  std::size_t left() const noexcept { return bytes_.size() - at_; }
-  const std::byte* here() const noexcept { return bytes_.data() + at_; }
-  void skip(std::size_t n) noexcept { at_ += n; }
-
- private:
-  std::span<const std::byte> bytes_;
-  std::size_t at_ = 0;
-};
+using reader = glake::detail::wire_reader;
 
 }  // namespace detail
 
@@ -241,28 +199,11 @@ inline std::vector<std::byte> encode(const error_reply& r, std::uint32_t id) {
 /// The header of a message, validated: magic, version, type known, body length equal to what
 /// follows the header. On failure a fatal parse_error (the broker answers and closes).
 inline std::variant<header, parse_error> parse_header(std::span<const std::byte> bytes) {
-  if (bytes.size() < header_bytes) {
-    return parse_error{errc::bad_message, "message of " + std::to_string(bytes.size()) + " bytes, shorter than the 16-byte header", true};
-  }
-  if (bytes.size() > max_message_bytes) {
-    return parse_error{errc::bad_message, "message longer than " + std::to_string(max_message_bytes) + " bytes", true};
-  }
-  detail::reader r(bytes);
   header h;
-  r.get(h.magic);
-  r.get(h.version);
-  r.get(h.type);
-  r.get(h.request);
-  r.get(h.body);
-  if (h.magic != protocol_magic) return parse_error{errc::bad_message, "bad magic number (not a glake dedup message)", true};
-  if (h.version != protocol_version) {
-    return parse_error{errc::unsupported_version,
-                       "protocol version " + std::to_string(h.version) + ", this end speaks " + std::to_string(protocol_version), true};
-  }
-  if (h.body != bytes.size() - header_bytes) {
-    return parse_error{errc::bad_message, "the header's body length " + std::to_string(h.body) + " differs from the " +
-                                              std::to_string(bytes.size() - header_bytes) + " bytes received", true};
-  }
+  bool wrong_version = false;
+  std::string why = glake::detail::check_wire_header(bytes, protocol_magic, protocol_version, max_message_bytes,
+                                                     "glake dedup", h, &wrong_version);
+  if (!why.empty()) return parse_error{wrong_version ? errc::unsupported_version : errc::bad_message, std::move(why), true};
   return h;
 }
 

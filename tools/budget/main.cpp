@@ -1,0 +1,178 @@
+// glake-budget: the coordinator that lets processes on one GPU share one device budget
+// (include/glake/scheduling/budget_coordinator.hpp, docs/scheduling.md), and a query of a
+// running one.
+#include <grp.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "glake/errors.hpp"
+#include "glake/scheduling/budget_coordinator.hpp"
+#include "glake/scheduling/coordinated_budget.hpp"
+
+namespace {
+
+constexpr const char* usage =
+    "usage: glake-budget --socket PATH --budget SIZE|FRACTION [--device-bytes N] [--group NAME] [--quiet]\n"
+    "       glake-budget --socket PATH --stats\n"
+    "Holds one device budget for the workloads of several processes on one GPU, on the Unix\n"
+    "socket PATH, until SIGTERM or SIGINT. Only processes of this user connect (socket mode\n"
+    "0600), and members of the group NAME when given (mode 0660, the socket given to that\n"
+    "group). A second coordinator on the same PATH exits at once with status 0 and says so.\n"
+    "\n"
+    "  --socket PATH      the socket (PATH.lock beside it marks the coordinator that owns it)\n"
+    "  --budget SIZE      bytes, with an optional K, M, G or T suffix (powers of 1024): 40G\n"
+    "  --budget FRACTION  a fraction in (0, 1] of the device, which --device-bytes gives: 0.8\n"
+    "  --device-bytes N   the device's memory in bytes (suffixes as above)\n"
+    "  --group NAME       also admit the members of this group\n"
+    "  --stats            print a running coordinator's ledger and exit\n"
+    "  --quiet            no start and stop lines on stderr\n"
+    "  -h, --help         this text\n";
+
+int stop_pipe[2] = {-1, -1};
+
+extern "C" void on_signal(int) {
+  const char c = 's';
+  [[maybe_unused]] const ssize_t ignored = ::write(stop_pipe[1], &c, 1);
+}
+
+[[noreturn]] void fail_usage(const std::string& message) {
+  std::fprintf(stderr, "glake-budget: %s\n%s", message.c_str(), usage);
+  std::exit(2);
+}
+
+// "40G", "512M", "1048576"; nullopt when not a positive size.
+std::optional<std::size_t> parse_bytes(const std::string& text) {
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long n = std::strtoull(text.c_str(), &end, 10);
+  if (errno != 0 || end == text.c_str() || n == 0 || text[0] == '-') return std::nullopt;
+  int shift = 0;
+  const std::string_view suffix(end);
+  if (suffix == "K" || suffix == "k") shift = 10;
+  else if (suffix == "M" || suffix == "m") shift = 20;
+  else if (suffix == "G" || suffix == "g") shift = 30;
+  else if (suffix == "T" || suffix == "t") shift = 40;
+  else if (!suffix.empty()) return std::nullopt;
+  if (shift != 0 && n > (~0ull >> shift)) return std::nullopt;
+  return static_cast<std::size_t>(n << shift);
+}
+
+int print_stats(const std::string& path) {
+  std::string why;
+  const auto s = glake::query_budget_coordinator(path, why);
+  if (!s) {
+    std::fprintf(stderr, "glake-budget: no coordinator answers at %s (%s)\n", path.c_str(), why.c_str());
+    return 1;
+  }
+  std::printf("budget %" PRIu64 "\nused %" PRIu64 "\nworkloads %" PRIu32 "\n", s->budget, s->used, s->workloads);
+  for (const auto& w : s->lines) {
+    std::printf("workload %" PRIu32 " %s held %zu pinned %zu predicted %zu\n", w.id, w.name.c_str(), w.held, w.pinned,
+                w.predicted);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string path, budget_text;
+  std::optional<std::string> group_name;
+  std::optional<std::size_t> device_bytes;
+  glake::budget_coordinator_options options;
+  bool stats = false, quiet = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) fail_usage(std::string(arg) + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--socket") {
+      path = value();
+    } else if (arg == "--budget") {
+      budget_text = value();
+    } else if (arg == "--device-bytes") {
+      const std::string text = value();
+      device_bytes = parse_bytes(text);
+      if (!device_bytes) fail_usage("--device-bytes takes a positive size, not '" + text + "'");
+    } else if (arg == "--group") {
+      group_name = value();
+    } else if (arg == "--stats") {
+      stats = true;
+    } else if (arg == "--quiet") {
+      quiet = true;
+    } else if (arg == "-h" || arg == "--help") {
+      std::fputs(usage, stdout);
+      return 0;
+    } else {
+      fail_usage("unknown argument '" + std::string(arg) + "'");
+    }
+  }
+  if (path.empty()) fail_usage("--socket PATH is required");
+  try {
+    if (stats) return print_stats(path);
+    if (budget_text.empty()) fail_usage("--budget is required");
+    std::optional<glake::budget_ledger> ledger;
+    if (budget_text.find('.') != std::string::npos) {
+      char* end = nullptr;
+      const double fraction = std::strtod(budget_text.c_str(), &end);
+      if (end == budget_text.c_str() || *end != '\0' || !(fraction > 0.0 && fraction <= 1.0)) {
+        fail_usage("--budget " + budget_text + " is not a size nor a fraction in (0, 1]");
+      }
+      if (!device_bytes) fail_usage("a fractional --budget needs --device-bytes");
+      ledger.emplace(glake::budget_ledger::fraction_of(*device_bytes, fraction));
+    } else {
+      const auto bytes = parse_bytes(budget_text);
+      if (!bytes) fail_usage("--budget takes a positive size or a fraction, not '" + budget_text + "'");
+      ledger.emplace(*bytes);
+    }
+    if (group_name) {
+      const group* g = ::getgrnam(group_name->c_str());
+      if (g == nullptr) {
+        std::fprintf(stderr, "glake-budget: no group named '%s'\n", group_name->c_str());
+        return 2;
+      }
+      options.group = g->gr_gid;
+    }
+    if (::pipe2(stop_pipe, O_CLOEXEC) != 0) glake::detail::throw_errno("pipe2", errno);
+    struct sigaction action {};
+    action.sa_handler = on_signal;
+    ::sigemptyset(&action.sa_mask);
+    ::sigaction(SIGTERM, &action, nullptr);
+    ::sigaction(SIGINT, &action, nullptr);
+    ::signal(SIGPIPE, SIG_IGN);
+    glake::budget_coordinator coordinator(path, std::move(*ledger), options);
+    if (!quiet) {
+      std::fprintf(stderr, "glake-budget: serving %s with a budget of %zu bytes (%s) (pid %d)\n", path.c_str(),
+                   coordinator.budget(), glake::format_bytes(coordinator.budget()).c_str(), static_cast<int>(::getpid()));
+    }
+    coordinator.run(stop_pipe[0]);
+    if (!quiet) {
+      const auto s = coordinator.stats();
+      std::fprintf(stderr,
+                   "glake-budget: stopped; %" PRIu64 " grants, %" PRIu64 " waits, %" PRIu64 " timeouts, %" PRIu64
+                   " reclaims\n",
+                   s.grants, s.waits, s.timeouts, s.reclaims);
+    }
+    return 0;
+  } catch (const glake::driver_error& e) {
+    if (e.code() == EWOULDBLOCK && e.call() == "flock") {
+      if (!quiet) std::fprintf(stderr, "glake-budget: %s; nothing to do\n", e.what());
+      return 0;
+    }
+    std::fprintf(stderr, "glake-budget: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "glake-budget: %s\n", e.what());
+    return 1;
+  }
+}

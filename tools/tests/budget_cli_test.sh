@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# glake-budget from the command line: starts with a budget in bytes or as a fraction of the
+# device, answers --stats, refuses a second coordinator on the same socket (status 0, says so),
+# stops on SIGTERM and removes its socket; bad arguments are refused.
+set -euo pipefail
+tool=$1
+dir=$(mktemp -d)
+pid=
+trap 'if [[ -n $pid ]]; then kill "$pid" 2>/dev/null || true; fi; rm -rf "$dir"' EXIT
+wait_socket() {
+  for _ in $(seq 200); do [[ -S $1 ]] && return 0; sleep 0.05; done
+  echo "no socket $1"
+  exit 1
+}
+"$tool" --socket "$dir/b.sock" --budget 40G --quiet &
+pid=$!
+wait_socket "$dir/b.sock"
+[[ $(stat -c %a "$dir/b.sock") == 600 ]] || { echo "socket mode $(stat -c %a "$dir/b.sock")"; exit 1; }
+stats=$("$tool" --socket "$dir/b.sock" --stats)
+grep -qx 'budget 42949672960' <<<"$stats" || { echo "stats: $stats"; exit 1; }
+grep -qx 'workloads 0' <<<"$stats" || { echo "stats: $stats"; exit 1; }
+"$tool" --socket "$dir/b.sock" --budget 1G 2>"$dir/second.err"
+grep -q 'another glake budget coordinator' "$dir/second.err"
+kill -TERM "$pid"
+wait "$pid"
+[[ ! -e $dir/b.sock ]] || { echo "socket left behind"; exit 1; }
+if "$tool" --socket "$dir/b.sock" --stats 2>/dev/null; then echo "stats without a coordinator"; exit 1; fi
+
+"$tool" --socket "$dir/f.sock" --budget 0.5 --device-bytes 80G --quiet &
+pid=$!
+wait_socket "$dir/f.sock"
+"$tool" --socket "$dir/f.sock" --stats | grep -qx 'budget 42949672960'
+kill -TERM "$pid"
+wait "$pid"
+pid=
+
+for bad in "--budget 0.5" "--budget 1.5 --device-bytes 1G" "--budget 0" "--budget 12X" "--bogus"; do
+  # shellcheck disable=SC2086
+  if "$tool" --socket "$dir/x.sock" $bad 2>/dev/null; then echo "accepted: $bad"; exit 1; fi
+done
+echo "budget_cli: ok"
