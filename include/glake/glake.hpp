@@ -34,6 +34,7 @@
 #include "glake/policies/locking.hpp"
 #include "glake/policies/stitching.hpp"
 #include "glake/scheduling/access_trace.hpp"
+#include "glake/scheduling/allocation_memory.hpp"
 #include "glake/scheduling/budget.hpp"
 #include "glake/scheduling/budget_coordinator.hpp"
 #include "glake/scheduling/budget_ledger.hpp"
