@@ -710,6 +710,49 @@ TEST_CASE("dedup: make_private and release drop references and leave writable me
   CHECK(eventually(dir.socket(), [](const dd::broker_stats& s) { return s.objects == 0 && s.references == 0; }));
 }
 
+TEST_CASE("dedup: a connection's quota bounds the objects it makes the broker keep, not what it shares") {
+  temp_dir dir;
+  broker_process broker(dir.socket(), [] {
+    dedup_broker_options o;
+    o.max_client_bytes = 2 * piece;
+    return o;
+  });
+  dedup_client<> one(dir.socket(), test_options());
+  range a(3 * piece, 41);  // three different pieces: the third is over the quota
+  const publish_result r = one.publish(a.data, a.bytes);
+  CHECK(r.stored == 2);
+  CHECK(r.kept_private == 1);
+  CHECK(r.reason.find("quota") != std::string::npos);
+  CHECK(a.holds(41));
+  CHECK(one.connected());  // a refusal, not a broken connection
+
+  // Another connection stores within its own quota; this one may share that beyond its own.
+  channel published, finish;
+  const pid_t child = spawn([&] {
+    dedup_client<> two(dir.socket(), test_options());
+    range b(piece, 42);
+    if (two.publish(b.data, b.bytes).stored != 1) return 1;
+    published.put('P');
+    char c;
+    finish.get(c);
+    return 0;
+  });
+  char c = 0;
+  REQUIRE(published.get(c));
+  range shared(piece, 42);
+  CHECK(one.publish(shared.data, shared.bytes).shared == 1);
+  CHECK(shared.holds(42));
+  finish.put('F');
+  CHECK(exited_with(wait_for(child), 0));
+
+  // Giving its objects up gives the quota back (the shared piece was never charged).
+  one.release(a.data, a.bytes);
+  range d(2 * piece, 43);
+  CHECK(one.publish(d.data, d.bytes).stored == 2);
+  range e(piece, 44);
+  CHECK(one.publish(e.data, e.bytes).kept_private == 1);
+}
+
 TEST_CASE("dedup: misuse of the client throws usage_error and changes nothing") {
   temp_dir dir;
   broker_process broker(dir.socket());

@@ -15,6 +15,7 @@
 #include <string>
 #include <string_view>
 
+#include "glake/config.hpp"
 #include "glake/errors.hpp"
 #include "glake/scheduling/budget_coordinator.hpp"
 #include "glake/scheduling/coordinated_budget.hpp"
@@ -50,21 +51,12 @@ extern "C" void on_signal(int) {
   std::exit(2);
 }
 
-// "40G", "512M", "1048576"; nullopt when not a positive size.
+// "40G", "512M", "1.5T", "1048576" (powers of 1024, as config strings read them); nullopt when
+// not a positive size.
 std::optional<std::size_t> parse_bytes(const std::string& text) {
-  char* end = nullptr;
-  errno = 0;
-  const unsigned long long n = std::strtoull(text.c_str(), &end, 10);
-  if (errno != 0 || end == text.c_str() || n == 0 || text[0] == '-') return std::nullopt;
-  int shift = 0;
-  const std::string_view suffix(end);
-  if (suffix == "K" || suffix == "k") shift = 10;
-  else if (suffix == "M" || suffix == "m") shift = 20;
-  else if (suffix == "G" || suffix == "g") shift = 30;
-  else if (suffix == "T" || suffix == "t") shift = 40;
-  else if (!suffix.empty()) return std::nullopt;
-  if (shift != 0 && n > (~0ull >> shift)) return std::nullopt;
-  return static_cast<std::size_t>(n << shift);
+  std::size_t n = 0;
+  if (glake::detail::parse_size(text, n) != glake::detail::parse_status::ok || n == 0) return std::nullopt;
+  return n;
 }
 
 int print_stats(const std::string& path) {

@@ -14,6 +14,7 @@
 #include <string>
 #include <string_view>
 
+#include "glake/config.hpp"
 #include "glake/errors.hpp"
 #include "glake/sharing/dedup_broker.hpp"
 #include "glake/sharing/dedup_client.hpp"
@@ -21,7 +22,7 @@
 namespace {
 
 constexpr const char* usage =
-    "usage: glake-dedup --socket PATH [--group NAME] [--max-objects N] [--quiet]\n"
+    "usage: glake-dedup --socket PATH [--group NAME] [--max-objects N] [--max-client-bytes SIZE] [--quiet]\n"
     "       glake-dedup --socket PATH --stats\n"
     "Serves cross-process deduplication of read-only memory on the Unix socket PATH until\n"
     "SIGTERM or SIGINT. Only processes of this user connect (socket mode 0600), and members of\n"
@@ -31,6 +32,9 @@ constexpr const char* usage =
     "  --socket PATH      the socket (PATH.lock beside it marks the broker that owns it)\n"
     "  --group NAME       also admit the members of this group\n"
     "  --max-objects N    index at most N distinct objects (each holds one descriptor)\n"
+    "  --max-client-bytes SIZE\n"
+    "                     each connection may have at most SIZE bytes (e.g. 16G) of objects it\n"
+    "                     stored indexed; sharing what is indexed already is not counted\n"
     "  --stats            print a running broker's counters and exit\n"
     "  --quiet            no start and stop lines on stderr\n"
     "  -h, --help         this text\n";
@@ -87,6 +91,13 @@ int main(int argc, char** argv) {
       const unsigned long long n = std::strtoull(text.c_str(), &end, 10);
       if (errno != 0 || end == text.c_str() || *end != '\0' || n == 0) fail_usage("--max-objects takes a positive number, not '" + text + "'");
       options.max_objects = static_cast<std::size_t>(n);
+    } else if (arg == "--max-client-bytes") {
+      const std::string text = value();
+      std::size_t n = 0;
+      if (glake::detail::parse_size(text, n) != glake::detail::parse_status::ok || n == 0) {
+        fail_usage("--max-client-bytes takes a positive size (1048576, 512M, 16G), not '" + text + "'");
+      }
+      options.max_client_bytes = n;
     } else if (arg == "--stats") {
       stats = true;
     } else if (arg == "--quiet") {

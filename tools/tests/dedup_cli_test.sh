@@ -19,4 +19,8 @@ wait "$pid"
 [[ ! -e $dir/b.sock ]] || { echo "socket left behind"; exit 1; }
 if "$tool" --socket "$dir/b.sock" --stats 2>/dev/null; then echo "stats without a broker"; exit 1; fi
 "$tool" --bogus 2>/dev/null && exit 1
+for bad in "0" "12X" "-1G"; do
+  if "$tool" --socket "$dir/q.sock" --max-client-bytes "$bad" 2>/dev/null; then echo "accepted --max-client-bytes $bad"; exit 1; fi
+done
+[[ ! -e $dir/q.sock ]] || { echo "a refused command line made a socket"; exit 1; }
 echo "dedup_cli: ok"

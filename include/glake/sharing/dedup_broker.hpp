@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <set>
 #include <memory>
 #include <optional>
 #include <string>
@@ -55,6 +56,11 @@ struct dedup_broker_options {
   /// The most different objects indexed under one (digest, size) key: a bound on the byte
   /// comparisons one publish costs, whatever digests clients claim.
   std::size_t max_collisions = 8;
+  /// The most bytes of objects one connection may have the broker index for it: objects it
+  /// stored (the first publisher of their bytes) and still holds. A bound on what one admitted
+  /// peer makes the broker keep; sharing an object indexed already is not charged. Past it a
+  /// publish of new bytes is refused (over_quota) and the piece stays private.
+  std::uint64_t max_client_bytes = ~std::uint64_t{0};
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -155,6 +161,8 @@ class basic_dedup_broker {
     detail::unique_fd fd;
     detail::peer_credentials peer;
     std::map<std::uint64_t, std::uint64_t> held;  // object id -> references
+    std::set<std::uint64_t> stored;               // objects charged to it (it stored them)
+    std::uint64_t charged = 0;                    // their bytes
   };
   using key = std::pair<std::array<std::uint8_t, 32>, std::uint64_t>;
   static constexpr std::size_t most_fds = 4;
@@ -180,7 +188,7 @@ class basic_dedup_broker {
         continue;
       }
       const int raw = fd.get();
-      clients_.emplace(raw, client{std::move(fd), std::move(a->peer), {}});
+      clients_.emplace(raw, client{std::move(fd), std::move(a->peer), {}, {}, 0});
     }
   }
 
@@ -276,11 +284,19 @@ class basic_dedup_broker {
     if (objects_.size() >= options_.max_objects) {
       return reply_error(c, request, dedup::errc::too_many_objects, "the broker indexes its most objects already");
     }
+    if (q.bytes > options_.max_client_bytes - c.charged) {
+      return reply_error(c, request, dedup::errc::over_quota,
+                         "this connection's objects hold " + std::to_string(c.charged) + " bytes; " +
+                             std::to_string(q.bytes) + " more would exceed its quota of " +
+                             std::to_string(options_.max_client_bytes));
+    }
     detail::unique_fd kept = verifier_.adopt(std::move(fd), q.bytes);
     if (!kept) return reply_error(c, request, dedup::errc::unreadable, "the broker could not keep a copy of the object");
     const std::uint64_t id = next_id_++;
     objects_.emplace(id, object{std::move(kept), q.bytes, q.digest, 1});
     index_[k].push_back(id);
+    c.stored.insert(id);
+    c.charged += q.bytes;
     ++c.held[id];
     ++counters_.references;
     ++counters_.publishes;
@@ -294,7 +310,10 @@ class basic_dedup_broker {
       return reply_error(c, request, dedup::errc::unknown_object, "object " + std::to_string(id) + " is not held by this connection");
     }
     const std::uint64_t left = --held->second;
-    if (left == 0) c.held.erase(held);
+    if (left == 0) {
+      c.held.erase(held);
+      if (c.stored.erase(id) != 0) c.charged -= objects_.at(id).bytes;  // its last reference: uncharged
+    }
     unreference(id, 1);
     return send(c, dedup::encode(dedup::released_reply{id, left}, request));
   }

@@ -58,6 +58,7 @@ enum class errc : std::uint32_t {
   out_of_descriptors = 7,   ///< the broker could not receive or keep a descriptor (EMFILE)
   too_many_objects = 8,     ///< the broker's object limit is reached
   unreadable = 9,           ///< the broker could not read an object to compare it
+  over_quota = 10,          ///< the connection's objects would exceed max_client_bytes
 };
 
 inline const char* to_string(errc code) noexcept {
@@ -71,6 +72,7 @@ inline const char* to_string(errc code) noexcept {
     case errc::out_of_descriptors: return "broker out of file descriptors";
     case errc::too_many_objects: return "broker object limit reached";
     case errc::unreadable: return "object unreadable";
+    case errc::over_quota: return "connection's quota reached";
   }
   return "unknown error";
 }
