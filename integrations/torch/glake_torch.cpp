@@ -23,6 +23,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 
@@ -33,6 +34,7 @@
 #include "glake/policies/stitching.hpp"
 #include "glake/movers/virtual_buffer.hpp"
 #include "movable.hpp"
+#include "scheduled.hpp"
 #include "settings.hpp"
 #include "shared_weights.hpp"
 
@@ -870,6 +872,97 @@ GLAKE_TORCH_API int glake_shared_destroy(void* ptr) {
     shared_weights().destroy(ptr);
   });
 }
+
+}  // extern "C"
+
+// Swap schedulers over the allocator's blocks (scheduled.hpp), made and destroyed through the C
+// interface; a handle is the workload's address, checked against the set of live ones.
+namespace {
+std::mutex& schedulers_mutex() {
+  static auto* const m = new std::mutex();
+  return *m;
+}
+std::set<torch_plugin::scheduled_workload*>& schedulers() {
+  static auto* const s = new std::set<torch_plugin::scheduled_workload*>();
+  return *s;
+}
+torch_plugin::scheduled_workload& scheduler_of(void* handle) {
+  std::lock_guard guard(schedulers_mutex());
+  auto it = schedulers().find(static_cast<torch_plugin::scheduled_workload*>(handle));
+  if (it == schedulers().end()) {
+    throw usage_error(usage_error::kind::foreign_pointer, "it is not a scheduler made by glake_scheduler_create");
+  }
+  return **it;
+}
+}  // namespace
+
+extern "C" {
+
+GLAKE_TORCH_API void* glake_scheduler_create(int device, size_t budget_bytes, const char* socket, const char* name,
+                                             CUstream_st* stream) {
+  torch_plugin::scheduled_workload* made = nullptr;
+  movable_call("creating a scheduler", nullptr, [&] {
+    if (budget_bytes == 0) throw usage_error(usage_error::kind::bad_argument, "a budget of 0 bytes");
+    scheduler_options options;
+    options.stream = stream_ref{stream};
+    std::string workload = name != nullptr && *name != '\0' ? name : "pid " + std::to_string(::getpid());
+    workload += " on device " + std::to_string(device);
+    std::unique_ptr<torch_plugin::scheduled_workload> w;
+    if (socket != nullptr && *socket != '\0') {
+      w = std::make_unique<torch_plugin::scheduled_workload_of<plugin_type, coordinated_budget>>(
+          plugin(), std::move(workload), options, std::string(socket), budget_bytes);
+    } else {
+      w = std::make_unique<torch_plugin::scheduled_workload_of<plugin_type, shared_budget>>(
+          plugin(), std::move(workload), options, budget_bytes);
+    }
+    std::lock_guard guard(schedulers_mutex());
+    schedulers().insert(w.get());
+    made = w.release();
+  });
+  return made;
+}
+
+GLAKE_TORCH_API int glake_scheduler_destroy(void* handle) {
+  return movable_call("destroying the scheduler", handle, [&] {
+    torch_plugin::scheduled_workload* w = &scheduler_of(handle);
+    {
+      std::lock_guard guard(schedulers_mutex());
+      schedulers().erase(w);
+    }
+    delete w;
+  });
+}
+
+GLAKE_TORCH_API int glake_scheduler_manage(void* handle, void* ptr, size_t bytes) {
+  return movable_call("managing", ptr, [&] { scheduler_of(handle).manage(ptr, bytes); });
+}
+
+GLAKE_TORCH_API int glake_scheduler_unmanage(void* handle, void* ptr) {
+  return movable_call("unmanaging", ptr, [&] { scheduler_of(handle).unmanage(ptr); });
+}
+
+GLAKE_TORCH_API int glake_scheduler_will_use(void* handle, void* const* ptrs, size_t count) {
+  return movable_call("bringing in for use", count != 0 ? ptrs[0] : nullptr,
+                      [&] { scheduler_of(handle).will_use(std::span<void* const>(ptrs, count)); });
+}
+
+GLAKE_TORCH_API int glake_scheduler_iteration_begin(void* handle) {
+  return movable_call("beginning an iteration of", handle, [&] { scheduler_of(handle).iteration_begin(); });
+}
+
+GLAKE_TORCH_API int glake_scheduler_idle(void* handle) {
+  return movable_call("idling", handle, [&] { scheduler_of(handle).idle(); });
+}
+
+GLAKE_TORCH_API size_t glake_scheduler_stats(void* handle, uint64_t* values, size_t capacity) {
+  try {
+    return torch_plugin::write_scheduler_stats(scheduler_of(handle).stats(), values, capacity);
+  } catch (...) {
+    return 0;
+  }
+}
+
+GLAKE_TORCH_API const char* glake_scheduler_stats_names(void) { return torch_plugin::scheduler_stat_names; }
 
 }  // extern "C"
 

@@ -145,6 +145,38 @@ GLAKE_TORCH_API int glake_share(void* ptr, const char* socket, const char* start
  * must have completed. */
 GLAKE_TORCH_API int glake_shared_destroy(void* ptr);
 
+/* Swap scheduling of the allocator's own blocks (docs/scheduling.md): a workload that keeps the
+ * allocations it manages within `budget_bytes` of device memory, moving them to host memory and
+ * back under the same pointers (a planned policy: the furthest next use goes out first, and
+ * prefetches are placed from the recorded iterations). With `socket`, the budget is shared with
+ * every process whose workloads joined the glake-budget coordinator there (alone with
+ * `budget_bytes` when none answers, said once on stderr). Moves are queued on `stream`. `name`
+ * names the workload in errors (null: the process id). Returns a handle, or null (glake_last_error). */
+GLAKE_TORCH_API void* glake_scheduler_create(int device, size_t budget_bytes, const char* socket, const char* name,
+                                             struct CUstream_st* stream);
+GLAKE_TORCH_API int glake_scheduler_destroy(void* scheduler);
+
+/* Manages the live allocation starting at `ptr` (`bytes` long, as the tensor's storage says);
+ * unmanage leaves its memory where it is. -1: not a live allocation of glake's allocator, managed
+ * already, or not movable (a private pool's; less than one whole 2 MiB handle). */
+GLAKE_TORCH_API int glake_scheduler_manage(void* scheduler, void* ptr, size_t bytes);
+GLAKE_TORCH_API int glake_scheduler_unmanage(void* scheduler, void* ptr);
+
+/* The next operation uses the managed allocations holding these addresses: on return they are on
+ * the device (others moved out, or waited for, as the budget needs). -2: they need more than the
+ * whole budget, or no room came within 30 s (the message names the workload and the bytes). */
+GLAKE_TORCH_API int glake_scheduler_will_use(void* scheduler, void* const* ptrs, size_t count);
+
+/* An iteration begins (the plan is recorded from, then followed by, iterations); idle: no
+ * operation runs, everything may move. */
+GLAKE_TORCH_API int glake_scheduler_iteration_begin(void* scheduler);
+GLAKE_TORCH_API int glake_scheduler_idle(void* scheduler);
+
+/* Writes up to `capacity` of the values glake_scheduler_stats_names lists (comma-separated);
+ * returns how many there are, 0 for a bad handle. */
+GLAKE_TORCH_API size_t glake_scheduler_stats(void* scheduler, uint64_t* values, size_t capacity);
+GLAKE_TORCH_API const char* glake_scheduler_stats_names(void);
+
 /* Writes out buffered trace lines (GLAKE_TRACE); exit() does it as well. */
 GLAKE_TORCH_API void glake_flush_traces(void);
 

@@ -185,6 +185,23 @@ def load(library=None):
     lib.glake_set_movable_scope.argtypes = [ctypes.c_size_t]
     lib.glake_last_error.restype = ctypes.c_size_t
     lib.glake_last_error.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    if hasattr(lib, "glake_scheduler_create"):  # libraries built before the schedulers lack them
+        lib.glake_scheduler_create.restype = ctypes.c_void_p
+        lib.glake_scheduler_create.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_char_p,
+                                               ctypes.c_void_p]
+        for name in ("glake_scheduler_destroy", "glake_scheduler_iteration_begin", "glake_scheduler_idle"):
+            getattr(lib, name).restype = ctypes.c_int
+            getattr(lib, name).argtypes = [ctypes.c_void_p]
+        lib.glake_scheduler_manage.restype = ctypes.c_int
+        lib.glake_scheduler_manage.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        lib.glake_scheduler_unmanage.restype = ctypes.c_int
+        lib.glake_scheduler_unmanage.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.glake_scheduler_will_use.restype = ctypes.c_int
+        lib.glake_scheduler_will_use.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+        lib.glake_scheduler_stats.restype = ctypes.c_size_t
+        lib.glake_scheduler_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+        lib.glake_scheduler_stats_names.restype = ctypes.c_char_p
+        lib.glake_scheduler_stats_names.argtypes = []
     if hasattr(lib, "glake_shared_create"):  # libraries built before shared weights lack them
         lib.glake_shared_create.restype = ctypes.c_void_p
         lib.glake_shared_create.argtypes = [ctypes.c_size_t, ctypes.c_int]
@@ -972,3 +989,124 @@ def share_weights(model, socket, start_broker=None):
             module._buffers[name] = views[index]
     totals["bytes"] = memory.nbytes
     return totals
+
+
+class Scheduler:
+    """Keeps the tensors it manages (glake's allocations: parameters, optimizer states, persistent
+    buffers) within `budget` bytes of device memory, moving them to host memory and back under the
+    same pointers, so the tensors and their data_ptr() never change (docs/scheduling.md). The
+    policy is planned: the first iteration is recorded, then prefetches are placed ahead of each
+    use and the furthest next use goes out first. With `socket` the budget is shared with the
+    other processes whose schedulers joined the glake-budget coordinator there.
+
+    Drive it by hand (manage, iteration_begin, will_use before each operation) or let attach(model)
+    do it with module hooks. Tensors smaller than one 2 MiB handle are left alone (not movable);
+    managed tensors are kept alive by the scheduler until unmanage() or close()."""
+
+    def __init__(self, budget, device=None, socket=None, name=None, stream=None, library=None):
+        self._lib = load(library)
+        if not hasattr(self._lib, "glake_scheduler_create"):
+            raise RuntimeError("glake_torch: this libglake_torch.so has no schedulers (rebuild it)")
+        if budget <= 0:
+            raise ValueError(f"glake_torch: a budget of {budget} bytes")
+        self.device = _device_index(device)
+        self.budget = int(budget)
+        handle = self._lib.glake_scheduler_create(self.device, self.budget,
+                                                  os.fsencode(socket) if socket else None,
+                                                  name.encode() if name else None,
+                                                  _stream_handle(stream, self.device))
+        if not handle:
+            raise RuntimeError(f"glake_torch: creating a scheduler failed: {_last_error(self._lib)}")
+        self._handle = handle
+        self._managed = {}  # first address -> the tensor, kept alive while managed
+        self._hooks = []
+
+    MIN_BYTES = 2 << 20
+
+    @staticmethod
+    def _span(tensor):
+        """(first address, bytes) of a tensor's storage, or of a (pointer, bytes) pair."""
+        if hasattr(tensor, "untyped_storage"):
+            storage = tensor.untyped_storage()
+            return storage.data_ptr(), storage.nbytes()
+        return int(tensor[0]), int(tensor[1])  # (pointer, bytes), without torch
+
+    def manage(self, tensor):
+        """Manages the storage of `tensor` (a CUDA tensor glake allocated). False, and nothing
+        done, for one below 2 MiB or managed already."""
+        ptr, nbytes = self._span(tensor)
+        if nbytes < self.MIN_BYTES or ptr in self._managed:
+            return False
+        _raise_for(self._lib.glake_scheduler_manage(self._handle, ptr, nbytes), self._lib, "manage")
+        self._managed[ptr] = tensor
+        return True
+
+    def unmanage(self, tensor):
+        ptr, _ = self._span(tensor)
+        if ptr not in self._managed:
+            raise ValueError("glake_torch: the tensor is not managed by this scheduler")
+        _raise_for(self._lib.glake_scheduler_unmanage(self._handle, ptr), self._lib, "unmanage")
+        del self._managed[ptr]
+
+    def managed(self, tensor):
+        return self._span(tensor)[0] in self._managed
+
+    def will_use(self, tensors):
+        """The next operation uses these (managed ones count; others are ignored): they are on the
+        device when this returns."""
+        ptrs = [p for p in (self._span(t)[0] for t in tensors) if p in self._managed]
+        if not ptrs:
+            return
+        array = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        _raise_for(self._lib.glake_scheduler_will_use(self._handle, array, len(ptrs)), self._lib, "will_use")
+
+    def iteration_begin(self):
+        _raise_for(self._lib.glake_scheduler_iteration_begin(self._handle), self._lib, "iteration_begin")
+
+    def idle(self):
+        _raise_for(self._lib.glake_scheduler_idle(self._handle), self._lib, "idle")
+
+    def stats(self):
+        names = self._lib.glake_scheduler_stats_names().decode().split(",")
+        values = (ctypes.c_uint64 * len(names))()
+        self._lib.glake_scheduler_stats(self._handle, values, len(names))
+        return dict(zip(names, (int(v) for v in values)))
+
+    def attach(self, model):
+        """Manages `model`'s parameters (those of at least 2 MiB) and hooks it: a forward pre-hook
+        on the model begins an iteration, and each module's forward and backward pre-hooks bring
+        its own parameters in before it runs. Returns how many tensors it manages."""
+        count = 0
+        for p in model.parameters():
+            count += bool(self.manage(p))
+        self._hooks.append(model.register_forward_pre_hook(lambda module, args: self.iteration_begin()))
+        for module in model.modules():
+            own = [p for p in module.parameters(recurse=False) if self.managed(p)]
+            if not own:
+                continue
+            self._hooks.append(module.register_forward_pre_hook(lambda m, args, own=own: self.will_use(own)))
+            if hasattr(module, "register_full_backward_pre_hook"):
+                self._hooks.append(module.register_full_backward_pre_hook(
+                    lambda m, grad_output, own=own: self.will_use(own)))
+        return count
+
+    def close(self):
+        """Removes the hooks, brings every managed tensor back to the device and stops managing it,
+        and destroys the scheduler."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        handle, self._handle = getattr(self, "_handle", None), None
+        if not handle:
+            return
+        self._lib.glake_scheduler_destroy(handle)
+        for ptr in self._managed:  # back on the device where there is room; else it stays usable on the host
+            if self._lib.glake_residence(ptr) == 2:
+                self._lib.glake_prefetch(ptr, None)
+        self._managed = {}
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,194 @@
+"""Swap scheduling of the allocator's own blocks through the plug-in's C interface and
+glake_torch.Scheduler, without torch or a GPU: libglake_torch_sim.so ($GLAKE_TORCH_SIM_LIBRARY),
+whose allocations live on a simulated device with a host tier. Tensors are stood for by
+(pointer, bytes) pairs from glake_malloc; attach() is exercised over minimal module objects that
+record their hooks.
+
+Run: ctest -R torch_plugin.python (with the other Python tests)."""
+
+import os
+import sys
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+import glake_torch  # noqa: E402
+
+SIM = os.environ.get("GLAKE_TORCH_SIM_LIBRARY")
+MiB = 1 << 20
+
+
+@unittest.skipUnless(SIM and os.path.isfile(SIM), "GLAKE_TORCH_SIM_LIBRARY is not set (run through ctest)")
+class SchedulerTest(unittest.TestCase):
+    def setUp(self):
+        self.lib = glake_torch.load(SIM)
+        self.blocks = []
+
+    def tearDown(self):
+        for ptr, nbytes in self.blocks:
+            if glake_torch.residence(ptr) == "host":
+                glake_torch.prefetch(ptr)
+            self.lib.glake_free(ptr, nbytes, 0, None)
+
+    def block(self, nbytes):
+        ptr = self.lib.glake_malloc(nbytes, 0, None)
+        self.assertTrue(ptr)
+        self.blocks.append((ptr, nbytes))
+        return (ptr, nbytes)
+
+    def on_device(self, blocks):
+        return sum(n for p, n in blocks if glake_torch.residence(p) == "device")
+
+    def test_blocks_stay_within_the_budget_and_each_use_finds_its_blocks_on_the_device(self):
+        blocks = [self.block(8 * MiB) for _ in range(6)]  # 48 MiB under a 24 MiB budget
+        s = glake_torch.Scheduler(24 * MiB, device=0, name="sweep")
+        for b in blocks:
+            self.assertTrue(s.manage(b))
+        self.assertLessEqual(self.on_device(blocks), 24 * MiB)
+        for _ in range(4):
+            s.iteration_begin()
+            for k in range(len(blocks)):
+                use = [blocks[k], blocks[(k + 1) % len(blocks)]]
+                s.will_use(use)
+                for p, _ in use:
+                    self.assertEqual(glake_torch.residence(p), "device")
+                self.assertLessEqual(self.on_device(blocks), 24 * MiB)
+        stats = s.stats()
+        self.assertEqual(stats["operations"], 24)
+        self.assertEqual(stats["managed_bytes"], 48 * MiB)
+        self.assertLessEqual(stats["peak_device_bytes"], 24 * MiB)
+        self.assertGreater(stats["offloads"], 0)
+        self.assertEqual(stats["iterations"], 4)
+        s.close()
+        for p, _ in blocks:  # close brings them back where there is room
+            self.assertEqual(glake_torch.residence(p), "device")
+
+    def test_small_and_repeated_tensors_are_left_alone(self):
+        s = glake_torch.Scheduler(16 * MiB, device=0)
+        small = self.block(MiB)
+        big = self.block(4 * MiB)
+        self.assertFalse(s.manage(small))  # under one 2 MiB handle
+        self.assertTrue(s.manage(big))
+        self.assertFalse(s.manage(big))  # managed already
+        self.assertTrue(s.managed(big))
+        s.will_use([small, big])  # the unmanaged one is ignored
+        s.unmanage(big)
+        self.assertFalse(s.managed(big))
+        with self.assertRaises(ValueError):
+            s.unmanage(big)
+        s.close()
+
+    def test_misuse_is_refused_with_clear_errors(self):
+        lib = self.lib
+        s = glake_torch.Scheduler(16 * MiB, device=0, name="careful")
+        values = (glake_torch.ctypes.c_uint64 * 14)()
+        self.assertEqual(lib.glake_scheduler_manage(s._handle, 12345 << 21, 4 * MiB), -1)  # not glake's
+        self.assertIn("live allocation", glake_torch._last_error(lib))
+        b = self.block(4 * MiB)
+        self.assertEqual(lib.glake_scheduler_manage(s._handle, b[0], 0), -1)  # empty
+        self.assertEqual(lib.glake_scheduler_manage(s._handle, b[0], 4 * MiB), 0)
+        self.assertEqual(lib.glake_scheduler_manage(s._handle, b[0], 4 * MiB), -1)  # twice
+        self.assertIn("managed already", glake_torch._last_error(lib))
+        outside = (glake_torch.ctypes.c_void_p * 1)(b[0] + 64 * MiB)
+        self.assertEqual(lib.glake_scheduler_will_use(s._handle, outside, 1), -1)
+        self.assertIn("no allocation it manages", glake_torch._last_error(lib))
+        bogus = 0x1000
+        self.assertEqual(lib.glake_scheduler_will_use(bogus, outside, 1), -1)
+        self.assertIn("not a scheduler", glake_torch._last_error(lib))
+        self.assertEqual(lib.glake_scheduler_stats(bogus, values, 14), 0)
+        self.assertEqual(lib.glake_scheduler_destroy(bogus), -1)
+        self.assertIsNone(lib.glake_scheduler_create(0, 0, None, None, None))
+        with self.assertRaises(ValueError):
+            glake_torch.Scheduler(0)
+        s.close()
+        s.close()  # twice: nothing left to do
+
+    def test_an_operation_larger_than_the_budget_fails_naming_the_workload(self):
+        blocks = [self.block(8 * MiB) for _ in range(3)]
+        s = glake_torch.Scheduler(16 * MiB, device=0, name="too-big")
+        for b in blocks:
+            s.manage(b)
+        with self.assertRaises(MemoryError) as caught:
+            s.will_use(blocks)  # 24 MiB at once
+        self.assertIn("too-big", str(caught.exception))
+        s.will_use(blocks[:2])  # still usable
+        s.close()
+
+    def test_without_a_coordinator_it_runs_alone_with_its_local_budget(self):
+        blocks = [self.block(8 * MiB) for _ in range(3)]
+        s = glake_torch.Scheduler(16 * MiB, device=0, socket="/nonexistent/glake-budget.sock", name="alone")
+        for b in blocks:
+            s.manage(b)
+        s.will_use(blocks[:2])
+        self.assertLessEqual(self.on_device(blocks), 16 * MiB)
+        s.will_use(blocks[2:])
+        self.assertEqual(glake_torch.residence(blocks[2][0]), "device")
+        s.close()
+
+    def test_attach_hooks_modules_so_each_brings_its_own_parameters_in(self):
+        class Hook:
+            def __init__(self, hooks, fn):
+                self.hooks, self.fn = hooks, fn
+
+            def remove(self):
+                self.hooks.remove(self.fn)
+
+        class Module:
+            def __init__(self, params, children=()):
+                self.params, self.children = params, list(children)
+                self.forward_pre, self.backward_pre = [], []
+
+            def parameters(self, recurse=True):
+                out = list(self.params)
+                if recurse:
+                    for c in self.children:
+                        out += c.parameters()
+                return out
+
+            def modules(self):
+                out = [self]
+                for c in self.children:
+                    out += c.modules()
+                return out
+
+            def register_forward_pre_hook(self, fn):
+                self.forward_pre.append(fn)
+                return Hook(self.forward_pre, fn)
+
+            def register_full_backward_pre_hook(self, fn):
+                self.backward_pre.append(fn)
+                return Hook(self.backward_pre, fn)
+
+            def forward(self):
+                for fn in list(self.forward_pre):
+                    fn(self, ())
+                for c in self.children:
+                    c.forward()
+
+            def backward(self):
+                for c in reversed(self.children):
+                    c.backward()
+                for fn in list(self.backward_pre):
+                    fn(self, ())
+
+        layers = [Module([self.block(8 * MiB), self.block(MiB)]) for _ in range(4)]
+        model = Module([], layers)
+        s = glake_torch.Scheduler(20 * MiB, device=0, name="model")
+        self.assertEqual(s.attach(model), 4)  # the 1 MiB ones are left alone
+        seen = []
+        for layer in layers:
+            layer.forward_pre.append(lambda m, args: seen.append(glake_torch.residence(m.params[0][0])))
+            layer.backward_pre.append(lambda m, g: seen.append(glake_torch.residence(m.params[0][0])))
+        for _ in range(3):
+            model.forward()
+            model.backward()
+        self.assertEqual(seen, ["device"] * 24)  # each layer's weight in place when it ran
+        self.assertEqual(s.stats()["iterations"], 3)
+        self.assertGreater(s.stats()["offloads"], 0)
+        s.close()
+        self.assertEqual(model.forward_pre, [])
+        self.assertTrue(all(len(layer.forward_pre) == 1 for layer in layers))  # only the test's own
+
+
+if __name__ == "__main__":
+    unittest.main()
