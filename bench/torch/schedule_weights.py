@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""A model whose weights exceed a device budget, run with glake_torch.Scheduler: the weights move
+to host memory and back under the same pointers, planned from the first iteration, so that at most
+--fraction of them are on the device at once.
+
+The model: `--layers` Linear(hidden, hidden, bias=False) + GELU in bf16, `--tokens` rows per step;
+a step is a forward pass (`--mode infer`) or a forward and backward pass without an optimizer
+(`--mode train`: the weights' gradients are produced and dropped). Variants, each in a process of
+its own with glake as PyTorch's allocator:
+
+  gpu    every weight stays on the device (the baseline);
+  glake  Scheduler(budget = fraction x weights).attach(model): each layer's pre-hooks bring its
+         weight in, the plan prefetches ahead and offloads the furthest next use.
+
+Per variant: step time (median and p10-p90 of --steps steps after --warmup), the weights' bytes on
+the device at most (the scheduler's peak_device_bytes; the baseline: all of them), device memory in
+use at the end of each step (cudaMemGetInfo), the scheduler's counters, and the compute/transfer
+ratio of one layer (its forward time on the device against copying its weight at the bus speed
+measured here). Output: one JSON line per run, rounds alternating the variants' order, then a
+table.
+
+    python3 bench/torch/schedule_weights.py --library build/torch/libglake_torch.so \\
+        --fraction 0.6 --rounds 3
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(ROOT, "integrations", "torch"))
+GiB = 1 << 30
+
+
+def child(args):
+    import glake_torch
+
+    glake_torch.enable(library=args.library)
+    import torch
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(args.hidden, args.hidden, bias=False) for _ in range(args.layers)]
+    blocks = []
+    for layer in layers:
+        blocks += [layer, torch.nn.GELU()]
+    model = torch.nn.Sequential(*blocks).to("cuda", torch.bfloat16)
+    x = torch.randn(args.tokens, args.hidden, device="cuda", dtype=torch.bfloat16,
+                    requires_grad=args.mode == "train")
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    # One layer's compute against moving its weight, on this machine.
+    w = layers[0].weight
+    host = torch.empty(w.shape, dtype=w.dtype, pin_memory=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(5):
+        host.copy_(w, non_blocking=True)
+    end.record()
+    torch.cuda.synchronize()
+    copy_ms = start.elapsed_time(end) / 5
+    with torch.no_grad():
+        layers[0](x)
+        start.record()
+        for _ in range(5):
+            layers[0](x)
+        end.record()
+    torch.cuda.synchronize()
+    layer_ms = start.elapsed_time(end) / 5
+    del host
+
+    scheduler = None
+    if args.variant == "glake":
+        scheduler = glake_torch.Scheduler(int(args.fraction * weight_bytes), name="schedule_weights")
+        scheduler.attach(model)
+
+    def step():
+        if args.mode == "train":
+            out = model(x)
+            out.float().sum().backward()
+            for p in model.parameters():
+                p.grad = None
+            x.grad = None
+        else:
+            with torch.no_grad():
+                model(x)
+
+    times, in_use = [], []
+    for i in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+            free, total = torch.cuda.mem_get_info()
+            in_use.append(total - free)
+    times.sort()
+    report = {
+        "variant": args.variant, "mode": args.mode, "fraction": args.fraction, "layers": args.layers,
+        "hidden": args.hidden, "tokens": args.tokens, "weight_gib": weight_bytes / GiB,
+        "step_ms": statistics.median(times), "p10_ms": times[len(times) // 10], "p90_ms": times[len(times) * 9 // 10],
+        "in_use_gib": max(in_use) / GiB, "layer_ms": layer_ms, "weight_copy_ms": copy_ms,
+        "compute_per_transfer": layer_ms / copy_ms,
+    }
+    if scheduler is not None:
+        s = scheduler.stats()
+        report["weights_on_device_gib"] = s["peak_device_bytes"] / GiB
+        report["scheduler"] = s
+        scheduler.close()
+    else:
+        report["weights_on_device_gib"] = weight_bytes / GiB
+    print(json.dumps(report), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--library", required=True)
+    ap.add_argument("--variants", default="gpu,glake")
+    ap.add_argument("--mode", choices=("infer", "train"), default="train")
+    ap.add_argument("--fraction", type=float, default=0.6)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--hidden", type=int, default=8192)
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variant", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.variant:
+        return child(args)
+    variants = args.variants.split(",")
+    runs = []
+    for r in range(args.rounds):
+        for v in (variants if r % 2 == 0 else list(reversed(variants))):
+            cmd = [sys.executable, os.path.abspath(__file__), "--variant", v] + [
+                a for a in sys.argv[1:] if a not in ("--variants",)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                print(json.dumps({"variant": v, "round": r, "error": done.stderr[-2000:]}), flush=True)
+                continue
+            run = json.loads(done.stdout.strip().splitlines()[-1])
+            run["round"] = r
+            runs.append(run)
+            print(json.dumps(run), flush=True)
+    print("\n| variant | step ms, median of rounds' medians | vs gpu | weights on device GiB | in use GiB | compute/transfer |")
+    print("|---|---|---|---|---|---|")
+    base = [r["step_ms"] for r in runs if r["variant"] == "gpu"]
+    for v in variants:
+        mine = [r for r in runs if r["variant"] == v]
+        if not mine:
+            continue
+        ms = statistics.median(r["step_ms"] for r in mine)
+        ratio = ms / statistics.median(base) if base else float("nan")
+        print(f"| {v} | {ms:.1f} | {ratio:.3f} | {max(r['weights_on_device_gib'] for r in mine):.2f} | "
+              f"{max(r['in_use_gib'] for r in mine):.2f} | {mine[0]['compute_per_transfer']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
