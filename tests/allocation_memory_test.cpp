@@ -86,6 +86,13 @@ TEST_CASE("allocation_memory: ranges outside the allocation and empty allocation
   CHECK(far.created_bytes() == 0);
   CHECK_THROWS_AS(allocation_memory<host_alloc>(a, nullptr, 8 * M), usage_error);
   CHECK_THROWS_AS(allocation_memory<host_alloc>(a, p, 0), usage_error);
+  void* small = a.allocate(4096);  // the small pool's: it never moves, so it is refused up front
+  CHECK_THROWS_AS(allocation_memory<host_alloc>(a, small, 4096), usage_error);
+  host_alloc no_far(device, host_reserver(2 * M));
+  void* q = no_far.allocate(8 * M);
+  CHECK_THROWS_AS(allocation_memory<host_alloc>(no_far, q, 8 * M), usage_error);  // nowhere to move to
+  no_far.deallocate(q, 8 * M);
+  a.deallocate(small, 4096);
   a.deallocate(p, 8 * M);
 }
 

@@ -60,7 +60,9 @@ TEST_CASE("offload: a block's memory goes to far memory and back, the pointer an
   stamp(q, 16 * M, 2);
   const statistics before = a.stats();
 
+  CHECK(a.movable_bytes(p) == 64 * M);  // what offload will move: all of it, in whole handles
   a.offload(p);
+  CHECK(a.movable_bytes(p) == 0);  // moved already
   CHECK(a.residence_of(p) == residence::host);
   CHECK(a.residence_of(q) == residence::device);
   const statistics out = a.stats();
@@ -278,6 +280,7 @@ TEST_CASE("offload: misuse and running out of memory are refused and change noth
   sim_device gpu(64 * M, 2 * M, 48 * M);
   sim_alloc a{sim_provider(gpu), sim_reserver(gpu)};
   void* p = a.allocate(32 * M);
+  CHECK(a.movable_bytes(p) == 0);  // it would refuse: no far memory
   try {
     a.offload(p);
     FAIL("no far memory attached");
@@ -287,8 +290,11 @@ TEST_CASE("offload: misuse and running out of memory are refused and change noth
   a.attach_far_memory(sim_host_provider(gpu), sim_copier(gpu));
   int local = 0;
   CHECK_THROWS_AS(a.offload(&local), usage_error);
+  CHECK(a.movable_bytes(&local) == 0);
+  CHECK(a.movable_bytes(p) == 32 * M);
   CHECK_THROWS_AS(a.prefetch(p), usage_error);  // not offloaded
   void* small = a.allocate(4096);
+  CHECK(a.movable_bytes(small) == 0);
   try {
     a.offload(small);
     FAIL("a small allocation does not move");

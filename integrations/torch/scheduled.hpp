@@ -41,6 +41,11 @@ class plugin_block {
     if (!plugin.residence_of(p)) {
       throw usage_error(usage_error::kind::foreign_pointer, "it is not the first address of a live allocation of glake's allocator");
     }
+    if (*plugin.residence_of(p) == residence::device && plugin.movable_bytes(p) == 0) {
+      throw usage_error(usage_error::kind::bad_argument,
+                        "it cannot move: it holds no whole handle of its own (its memory shares handles with its "
+                        "neighbours), or it is a small allocation");
+    }
   }
   void* data() const noexcept { return data_; }
   std::size_t size() const noexcept { return size_; }

@@ -518,6 +518,20 @@ class pluggable_allocator {
   {
     move_allocation(p, stream, false);
   }
+  /// The bytes offload(p) would move now (the allocator's movable_bytes; 0 for a pointer no
+  /// device's allocator holds live, or one in a private pool).
+  std::size_t movable_bytes(const void* p)
+    requires offloading_allocator<Allocator> && requires(Allocator& a, const void* q) { a.movable_bytes(q); }
+  {
+    std::size_t bytes = 0;
+    registry_.for_each([&](int device, slot& s) {
+      if (bytes != 0 || !s.allocator->owns(p)) return;
+      DeviceScope scope(device);
+      bytes = s.allocator->movable_bytes(p);
+    });
+    return bytes;
+  }
+
   /// Where the live allocation at `p` is; empty for a pointer no device's allocator holds live.
   std::optional<residence> residence_of(const void* p)
     requires offloading_allocator<Allocator>

@@ -369,6 +369,30 @@ class stitching_allocator {
     move_locked("prefetch", p, stream, false);
   }
 
+  /// The bytes offload(p) would move now: its whole handles (a stitched allocation's in the part
+  /// it claims); 0 when it would refuse (no far memory, not a large live allocation here,
+  /// retained memory, no whole handle of its own, handles another live stitch maps) or when p is
+  /// offloaded already. O(its handles + live stitches).
+  std::size_t movable_bytes(const void* p) {
+    std::lock_guard guard(lock_);
+    const auto address = reinterpret_cast<std::uintptr_t>(p);
+    if (!far_ || retain_ || moved_.contains(address)) return 0;
+    const live_allocation a = find_live(address);
+    if (a.block == nullptr && a.range == nullptr) return 0;
+    std::vector<site_type> sites;
+    std::vector<segment*> homes;
+    sites_of(a, sites, homes);
+    std::size_t bytes = 0;
+    for (std::size_t i = 0; i < sites.size(); ++i) {
+      if constexpr (stitches) {
+        const std::size_t lo = sites[i].slot->offset;
+        if (stitcher_.live_maps(homes[i], lo, lo + sites[i].slot->size, a.range)) return 0;
+      }
+      bytes += sites[i].slot->size;
+    }
+    return bytes;
+  }
+
   /// Where the live allocation at `p` is: residence::host once offloaded, else device.
   /// usage_error for a pointer that is not a live allocation here.
   residence residence_of(const void* p) const {

@@ -23,6 +23,8 @@ namespace glake {
 //
 // | expression            | what A is asked                 | throws
 // |-----------------------|---------------------------------|-------------------------------------
+// | construction          | a.movable_bytes(p), if it has it| usage_error: an allocation that
+// |                       |                                 | cannot move, null or empty
 // | m.data(), m.size()    | nothing: p and bytes            | no
 // | m.residence_of(off)   | a.residence_of(p)               | usage_error (off outside)
 // | m.offload(off, n, s)  | a.offload(p, s)                 | usage_error (range outside), A's
@@ -44,6 +46,14 @@ class allocation_memory {
       : allocator_(&allocator), data_(p), size_(bytes) {
     if (p == nullptr || bytes == 0) {
       throw usage_error(usage_error::kind::bad_argument, "glake::allocation_memory: a null or empty allocation");
+    }
+    if constexpr (requires { allocator.movable_bytes(p); }) {
+      // Refused now rather than when a scheduler first needs it moved.
+      if (allocator.residence_of(p) == residence::device && allocator.movable_bytes(p) == 0) {
+        throw usage_error(usage_error::kind::bad_argument,
+                          "glake::allocation_memory: the allocation cannot move (no whole handle of its own, "
+                          "handles a live stitch maps, retained memory, or no far memory attached)");
+      }
     }
   }
 

@@ -84,6 +84,9 @@ class SchedulerTest(unittest.TestCase):
         values = (glake_torch.ctypes.c_uint64 * 14)()
         self.assertEqual(lib.glake_scheduler_manage(s._handle, 12345 << 21, 4 * MiB), -1)  # not glake's
         self.assertIn("live allocation", glake_torch._last_error(lib))
+        small = self.block(MiB)  # the small pool's: it never moves, refused now rather than at its first eviction
+        self.assertEqual(lib.glake_scheduler_manage(s._handle, small[0], MiB), -1)
+        self.assertIn("cannot move", glake_torch._last_error(lib))
         b = self.block(4 * MiB)
         self.assertEqual(lib.glake_scheduler_manage(s._handle, b[0], 0), -1)  # empty
         self.assertEqual(lib.glake_scheduler_manage(s._handle, b[0], 4 * MiB), 0)
