@@ -1,8 +1,6 @@
 // glake-budget: the coordinator that lets processes on one GPU share one device budget
 // (include/glake/scheduling/budget_coordinator.hpp, docs/scheduling.md), and a query of a
 // running one.
-#include <grp.h>
-#include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -19,6 +17,7 @@
 #include "glake/errors.hpp"
 #include "glake/scheduling/budget_coordinator.hpp"
 #include "glake/scheduling/coordinated_budget.hpp"
+#include "../service.hpp"
 
 namespace {
 
@@ -38,13 +37,6 @@ constexpr const char* usage =
     "  --stats            print a running coordinator's ledger and exit\n"
     "  --quiet            no start and stop lines on stderr\n"
     "  -h, --help         this text\n";
-
-int stop_pipe[2] = {-1, -1};
-
-extern "C" void on_signal(int) {
-  const char c = 's';
-  [[maybe_unused]] const ssize_t ignored = ::write(stop_pipe[1], &c, 1);
-}
 
 [[noreturn]] void fail_usage(const std::string& message) {
   std::fprintf(stderr, "glake-budget: %s\n%s", message.c_str(), usage);
@@ -110,7 +102,7 @@ int main(int argc, char** argv) {
     }
   }
   if (path.empty()) fail_usage("--socket PATH is required");
-  try {
+  return glake::tools::serve("glake-budget", quiet, [&]() -> int {
     if (stats) return print_stats(path);
     if (budget_text.empty()) fail_usage("--budget is required");
     std::optional<glake::budget_ledger> ledger;
@@ -128,26 +120,16 @@ int main(int argc, char** argv) {
       ledger.emplace(*bytes);
     }
     if (group_name) {
-      const group* g = ::getgrnam(group_name->c_str());
-      if (g == nullptr) {
-        std::fprintf(stderr, "glake-budget: no group named '%s'\n", group_name->c_str());
-        return 2;
-      }
-      options.group = g->gr_gid;
+      options.group = glake::tools::group_id("glake-budget", *group_name);
+      if (!options.group) return 2;
     }
-    if (::pipe2(stop_pipe, O_CLOEXEC) != 0) glake::detail::throw_errno("pipe2", errno);
-    struct sigaction action {};
-    action.sa_handler = on_signal;
-    ::sigemptyset(&action.sa_mask);
-    ::sigaction(SIGTERM, &action, nullptr);
-    ::sigaction(SIGINT, &action, nullptr);
-    ::signal(SIGPIPE, SIG_IGN);
+    const int stop = glake::tools::stop_on_signals();
     glake::budget_coordinator coordinator(path, std::move(*ledger), options);
     if (!quiet) {
       std::fprintf(stderr, "glake-budget: serving %s with a budget of %zu bytes (%s) (pid %d)\n", path.c_str(),
                    coordinator.budget(), glake::format_bytes(coordinator.budget()).c_str(), static_cast<int>(::getpid()));
     }
-    coordinator.run(stop_pipe[0]);
+    coordinator.run(stop);
     if (!quiet) {
       const auto s = coordinator.stats();
       std::fprintf(stderr,
@@ -156,15 +138,5 @@ int main(int argc, char** argv) {
                    s.grants, s.waits, s.timeouts, s.reclaims);
     }
     return 0;
-  } catch (const glake::driver_error& e) {
-    if (e.code() == EWOULDBLOCK && e.call() == "flock") {
-      if (!quiet) std::fprintf(stderr, "glake-budget: %s; nothing to do\n", e.what());
-      return 0;
-    }
-    std::fprintf(stderr, "glake-budget: %s\n", e.what());
-    return 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "glake-budget: %s\n", e.what());
-    return 1;
-  }
+  });
 }

@@ -1,7 +1,5 @@
 // glake-dedup: the broker that lets processes share identical read-only memory
 // (include/glake/sharing/dedup_broker.hpp, docs/dedup.md), and a query of a running one.
-#include <grp.h>
-#include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -18,6 +16,7 @@
 #include "glake/errors.hpp"
 #include "glake/sharing/dedup_broker.hpp"
 #include "glake/sharing/dedup_client.hpp"
+#include "../service.hpp"
 
 namespace {
 
@@ -38,13 +37,6 @@ constexpr const char* usage =
     "  --stats            print a running broker's counters and exit\n"
     "  --quiet            no start and stop lines on stderr\n"
     "  -h, --help         this text\n";
-
-int stop_pipe[2] = {-1, -1};
-
-extern "C" void on_signal(int) {
-  const char c = 's';
-  [[maybe_unused]] const ssize_t ignored = ::write(stop_pipe[1], &c, 1);
-}
 
 [[noreturn]] void fail_usage(const std::string& message) {
   std::fprintf(stderr, "glake-dedup: %s\n%s", message.c_str(), usage);
@@ -110,41 +102,21 @@ int main(int argc, char** argv) {
     }
   }
   if (path.empty()) fail_usage("--socket PATH is required");
-  try {
+  return glake::tools::serve("glake-dedup", quiet, [&]() -> int {
     if (stats) return print_stats(path);
     if (group_name) {
-      const group* g = ::getgrnam(group_name->c_str());
-      if (g == nullptr) {
-        std::fprintf(stderr, "glake-dedup: no group named '%s'\n", group_name->c_str());
-        return 2;
-      }
-      options.group = g->gr_gid;
+      options.group = glake::tools::group_id("glake-dedup", *group_name);
+      if (!options.group) return 2;
     }
-    if (::pipe2(stop_pipe, O_CLOEXEC) != 0) glake::detail::throw_errno("pipe2", errno);
-    struct sigaction action {};
-    action.sa_handler = on_signal;
-    ::sigemptyset(&action.sa_mask);
-    ::sigaction(SIGTERM, &action, nullptr);
-    ::sigaction(SIGINT, &action, nullptr);
-    ::signal(SIGPIPE, SIG_IGN);
+    const int stop = glake::tools::stop_on_signals();
     glake::dedup_broker broker(path, options);
     if (!quiet) std::fprintf(stderr, "glake-dedup: serving %s (pid %d)\n", path.c_str(), static_cast<int>(::getpid()));
-    broker.run(stop_pipe[0]);
+    broker.run(stop);
     if (!quiet) {
       const auto s = broker.stats();
       std::fprintf(stderr, "glake-dedup: stopped; %" PRIu64 " publishes, %" PRIu64 " shared, %" PRIu64 " refused\n",
                    s.publishes, s.shared, s.refused);
     }
     return 0;
-  } catch (const glake::driver_error& e) {
-    if (e.code() == EWOULDBLOCK && e.call() == "flock") {
-      if (!quiet) std::fprintf(stderr, "glake-dedup: %s; nothing to do\n", e.what());
-      return 0;
-    }
-    std::fprintf(stderr, "glake-dedup: %s\n", e.what());
-    return 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "glake-dedup: %s\n", e.what());
-    return 1;
-  }
+  });
 }

@@ -582,6 +582,16 @@ def _raise_for(code, lib, what):
     raise RuntimeError(message)
 
 
+def _creation_error(lib, what):
+    """The exception for a failed creation of `what`: torch's OutOfMemoryError (or MemoryError)
+    when memory ran out, else RuntimeError, with glake's reason."""
+    message = f"glake_torch: {what}: {_last_error(lib)}"
+    if any(words in message for words in ("out of memory", "out of device memory", "out of address space", "ran out")):
+        torch = sys.modules.get("torch")
+        return (getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None) or MemoryError)(message)
+    return RuntimeError(message)
+
+
 class MovableMemory:
     """One movable buffer (glake_movable_create): `nbytes` of device memory whose address never
     changes while offload() and prefetch() move it to host memory and back. A tensor made over it
@@ -596,11 +606,7 @@ class MovableMemory:
         self.nbytes = int(nbytes)
         self.ptr = self._lib.glake_movable_create(self.nbytes, self.device)
         if not self.ptr:
-            message = f"glake_torch: a movable buffer of {self.nbytes} bytes on device {self.device}: {_last_error(self._lib)}"
-            if "out of memory" in message or "ran out" in message:
-                torch = sys.modules.get("torch")
-                raise (getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None) or MemoryError)(message)
-            raise RuntimeError(message)
+            raise _creation_error(self._lib, f"a movable buffer of {self.nbytes} bytes on device {self.device}")
 
     @property
     def __cuda_array_interface__(self):
@@ -897,11 +903,7 @@ class SharedMemory:
         self.device = _device_index(device)
         self.ptr = self._lib.glake_shared_create(int(nbytes), self.device)
         if not self.ptr:
-            message = f"glake_torch: a shared region of {nbytes} bytes on device {self.device}: {_last_error(self._lib)}"
-            if "out of" in message or "ran out" in message:
-                torch = sys.modules.get("torch")
-                raise (getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None) or MemoryError)(message)
-            raise RuntimeError(message)
+            raise _creation_error(self._lib, f"a shared region of {nbytes} bytes on device {self.device}")
         granule = 2 << 20
         self.nbytes = (int(nbytes) + granule - 1) // granule * granule
         self.published = None
