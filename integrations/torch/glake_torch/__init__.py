@@ -1074,10 +1074,13 @@ class Scheduler:
         self._lib.glake_scheduler_stats(self._handle, values, len(names))
         return dict(zip(names, (int(v) for v in values)))
 
-    def attach(self, model):
+    def attach(self, model, backward=True):
         """Manages `model`'s parameters (those of at least 2 MiB) and hooks it: a forward pre-hook
-        on the model begins an iteration, and each module's forward and backward pre-hooks bring
-        its own parameters in before it runs. Returns how many tensors it manages."""
+        on the model begins an iteration, and each module's forward pre-hook (and, with
+        `backward`, its full backward pre-hook) brings its own parameters in before it runs.
+        PyTorch refuses full backward hooks on a module whose output is modified in place
+        afterwards; backward=False leaves them out (the backward pass then reads what is on the
+        host over the bus). Returns how many tensors it manages."""
         count = 0
         for p in model.parameters():
             count += bool(self.manage(p))
@@ -1087,7 +1090,7 @@ class Scheduler:
             if not own:
                 continue
             self._hooks.append(module.register_forward_pre_hook(lambda m, args, own=own: self.will_use(own)))
-            if hasattr(module, "register_full_backward_pre_hook"):
+            if backward and hasattr(module, "register_full_backward_pre_hook"):
                 self._hooks.append(module.register_full_backward_pre_hook(
                     lambda m, grad_output, own=own: self.will_use(own)))
         return count

@@ -191,6 +191,13 @@ class SchedulerTest(unittest.TestCase):
         s.close()
         self.assertEqual(model.forward_pre, [])
         self.assertTrue(all(len(layer.forward_pre) == 1 for layer in layers))  # only the test's own
+        self.assertTrue(all(len(layer.backward_pre) == 1 for layer in layers))
+
+        s = glake_torch.Scheduler(20 * MiB, device=0, name="forward-only")
+        self.assertEqual(s.attach(model, backward=False), 4)
+        self.assertTrue(all(len(layer.backward_pre) == 1 for layer in layers))  # no scheduler hook
+        self.assertTrue(all(len(layer.forward_pre) == 2 for layer in layers))
+        s.close()
 
 
 if __name__ == "__main__":
