@@ -38,10 +38,11 @@ class plugin_block {
  public:
   plugin_block(Plugin& plugin, void* p, std::size_t bytes) : plugin_(&plugin), data_(p), size_(bytes) {
     if (p == nullptr || bytes == 0) throw usage_error(usage_error::kind::bad_argument, "a null or empty allocation");
-    if (!plugin.residence_of(p)) {
+    const std::optional<residence> where = plugin.residence_of(p);
+    if (!where) {
       throw usage_error(usage_error::kind::foreign_pointer, "it is not the first address of a live allocation of glake's allocator");
     }
-    if (*plugin.residence_of(p) == residence::device && plugin.movable_bytes(p) == 0) {
+    if (*where == residence::device && plugin.movable_bytes(p) == 0) {
       throw usage_error(usage_error::kind::bad_argument,
                         "it cannot move: it holds no whole handle of its own (its memory shares handles with its "
                         "neighbours), or it is a small allocation");
@@ -89,7 +90,6 @@ class scheduled_workload {
   virtual void iteration_begin() = 0;
   virtual void idle() = 0;
   virtual scheduler_statistics stats() const = 0;
-  virtual bool coordinated() const noexcept = 0;
 };
 
 /// The names of the values glake_scheduler_stats writes, in order.
@@ -158,7 +158,6 @@ class scheduled_workload_of final : public scheduled_workload {
   void iteration_begin() override { scheduler_->iteration_begin(); }
   void idle() override { scheduler_->idle(); }
   scheduler_statistics stats() const override { return scheduler_->stats(); }
-  bool coordinated() const noexcept override { return !std::is_same_v<Budget, shared_budget>; }
 
  private:
   struct entry {

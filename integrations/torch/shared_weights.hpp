@@ -78,8 +78,6 @@ class shared_weights_registry {
     }
   }
 
-  std::size_t granularity() const noexcept { return maker_.granularity(); }
-
   /// A region of at least `bytes` (rounded up to the granularity) on `device`.
   void* create(std::size_t bytes, int device) {
     if (bytes == 0) throw usage_error(usage_error::kind::bad_argument, "a shared region of 0 bytes");
@@ -94,13 +92,6 @@ class shared_weights_registry {
       throw;
     }
     return p;
-  }
-
-  /// The size of the region starting at p (0: none does).
-  std::size_t size_of(const void* p) const {
-    std::lock_guard lock(mutex_);
-    auto it = regions_.find(reinterpret_cast<std::uintptr_t>(p));
-    return it == regions_.end() ? 0 : it->second.bytes;
   }
 
   /// The device of the region starting at p (-1: none does).
@@ -137,11 +128,6 @@ class shared_weights_registry {
     if (it->second.client != nullptr) it->second.client->release(p, it->second.bytes);
     maker_.unmake(p, it->second.bytes);
     regions_.erase(it);
-  }
-
-  std::size_t regions() const {
-    std::lock_guard lock(mutex_);
-    return regions_.size();
   }
 
  private:

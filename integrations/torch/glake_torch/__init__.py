@@ -592,7 +592,25 @@ def _creation_error(lib, what):
     return RuntimeError(message)
 
 
-class MovableMemory:
+class _DeviceRegion:
+    """What MovableMemory and SharedMemory share: `ptr` and `nbytes` seen as a CUDA byte array
+    (a tensor made over it keeps it alive), and destruction with the last reference, after the
+    device has finished with it (the caller's streams are synchronized first)."""
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 2}
+
+    def __del__(self):
+        ptr, self.ptr = getattr(self, "ptr", None), None
+        if ptr:
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_initialized():
+                torch.cuda.synchronize(self.device)
+            self._destroy(ptr)
+
+
+class MovableMemory(_DeviceRegion):
     """One movable buffer (glake_movable_create): `nbytes` of device memory whose address never
     changes while offload() and prefetch() move it to host memory and back. A tensor made over it
     (movable_empty) keeps it alive through __cuda_array_interface__; it is destroyed with the last
@@ -608,17 +626,8 @@ class MovableMemory:
         if not self.ptr:
             raise _creation_error(self._lib, f"a movable buffer of {self.nbytes} bytes on device {self.device}")
 
-    @property
-    def __cuda_array_interface__(self):
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 2}
-
-    def __del__(self):
-        ptr, self.ptr = getattr(self, "ptr", None), None
-        if ptr:
-            torch = sys.modules.get("torch")
-            if torch is not None and torch.cuda.is_initialized():
-                torch.cuda.synchronize(self.device)
-            self._lib.glake_movable_destroy(ptr)
+    def _destroy(self, ptr):
+        self._lib.glake_movable_destroy(ptr)
 
 
 def _stream_handle(stream, device):
@@ -886,7 +895,7 @@ def load_safetensors(path, device=None, stream=None):
 SHARE_FIELDS = ("pieces", "shared", "stored", "kept_private", "shared_bytes")
 
 
-class SharedMemory:
+class SharedMemory(_DeviceRegion):
     """A region of device memory for weights that several processes may share read-only
     (glake_shared_create): `nbytes` rounded up to 2 MiB on `device`, held by its own mappings, not
     by glake's allocator, so that sharing a piece gives this process's copy back to the driver.
@@ -908,10 +917,6 @@ class SharedMemory:
         self.nbytes = (int(nbytes) + granule - 1) // granule * granule
         self.published = None
 
-    @property
-    def __cuda_array_interface__(self):
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 2}
-
     def share(self, socket, start_broker=None):
         """Publishes the whole region to the broker at `socket` (starting the glake-dedup executable
         `start_broker` there if none listens). Returns {pieces, shared, stored, kept_private,
@@ -925,13 +930,8 @@ class SharedMemory:
         self.published = dict(zip(SHARE_FIELDS, (int(v) for v in values)))
         return dict(self.published)
 
-    def __del__(self):
-        ptr, self.ptr = getattr(self, "ptr", None), None
-        if ptr:
-            torch = sys.modules.get("torch")
-            if torch is not None and torch.cuda.is_initialized():
-                torch.cuda.synchronize(self.device)
-            self._lib.glake_shared_destroy(ptr)
+    def _destroy(self, ptr):
+        self._lib.glake_shared_destroy(ptr)
 
 
 def shared_weights_layout(tensors, alignment=256):
