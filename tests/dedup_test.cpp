@@ -1039,6 +1039,27 @@ TEST_CASE("dedup: clients start the broker themselves, and one runs however many
   for (int i = 0; i < clients; ++i) done.put('D');
   for (pid_t p : children) CHECK(exited_with(wait_for(p), 0));
 }
+
+TEST_CASE("dedup: a broker a client starts gets start_arguments on its command line") {
+  temp_dir dir;
+  dedup_client_options o = test_options();
+  o.start_broker = GLAKE_DEDUP_EXECUTABLE;
+  o.start_arguments = {"--max-objects", "1"};  // seen only through what the broker refuses
+  {
+    dedup_client<> client(dir.socket(), o);
+    range two(2 * piece, 17);  // two pieces of different bytes
+    const publish_result r = client.publish(two.data, two.bytes);
+    CHECK(r.stored == 1);
+    CHECK(r.kept_private == 1);
+    CHECK(r.reason.find("refused") != std::string::npos);
+    CHECK(two.holds(17));
+  }
+  CHECK(eventually_true([&] {
+    const std::vector<pid_t> left = processes_naming(dir.socket());
+    for (pid_t p : left) ::kill(p, SIGTERM);
+    return left.empty() && !std::filesystem::exists(dir.socket());
+  }));
+}
 #endif
 
 TEST_CASE("dedup: one broker per socket path, and a stale socket is replaced") {

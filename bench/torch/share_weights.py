@@ -9,19 +9,23 @@ that every process holds the same bytes. Each worker process builds it, times --
 passes (batch x tokens, no_grad), then (mode glake) calls share_weights and
 torch.cuda.empty_cache(), times the forward passes again, and reports; it then waits, so that all
 N are alive when the parent reads the device's memory in use (cudaMemGetInfo, from the parent,
-whose own context is counted in the baseline taken before the workers start).
+whose own context is counted in the baseline taken before the workers start). Each worker empties
+PyTorch's cache after building the model and before reporting, so what it holds then is its
+context and its weights; forward passes are timed one worker at a time (a lock file).
 
 Modes, one after another in one call, for each N in --processes:
-  private  N workers, no sharing: N copies of the weights
-  glake    a glake-dedup broker, N workers sharing: one copy, plus per-process overhead
-  kill     a broker and N workers, each killed (SIGKILL) at a random moment while it publishes;
+  private  N workers started together, no sharing: N copies of the weights
+  glake    a glake-dedup-cuda broker, a first worker that stores the weights, then N-1 started
+           together that share them: one copy, plus per-process overhead
+  kill     a broker and N workers started together, each killed (SIGKILL) at a random moment
+           of --kill-after (while it builds, publishes or serves);
            after all are gone and the broker is stopped, the memory in use must be back at the
            baseline (no leak)
 
 Output: one JSON object a line per worker and per run, then a markdown table.
 
   python3 bench/torch/share_weights.py --library build/torch/libglake_torch.so \\
-      --dedup build/release/tools/glake-dedup --processes 2,4,8
+      --dedup build/release/tools/glake-dedup-cuda --processes 2,4,8
 """
 
 import argparse
@@ -71,14 +75,25 @@ def forward_ms(torch, model, args):
     return statistics.median(times), float(logits.float().sum())
 
 
+def timed_alone(torch, model, args):
+    """forward_ms with no other worker timing at the same time (a lock file beside the broker's
+    socket), so that workers started together are timed on an otherwise idle GPU."""
+    import fcntl
+
+    with open(args.lock, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return forward_ms(torch, model, args)
+
+
 def worker(args):
     import torch
     import glake_torch
 
     glake_torch.load(args.library)
     model = build_model(torch, args)
+    torch.cuda.empty_cache()  # the fp32 weights of initialisation, cached after .to(bfloat16)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    before_ms, before_sum = forward_ms(torch, model, args)
+    before_ms, before_sum = timed_alone(torch, model, args)
     report = {"rank": args.rank, "weight_bytes": weight_bytes, "forward_ms_before": before_ms}
     if args.socket:
         torch.cuda.synchronize()
@@ -87,9 +102,11 @@ def worker(args):
         torch.cuda.empty_cache()
         report["share_s"] = time.perf_counter() - t0
         report.update(totals)
-        after_ms, after_sum = forward_ms(torch, model, args)
+        after_ms, after_sum = timed_alone(torch, model, args)
         report["forward_ms_after"] = after_ms
         report["same_output"] = after_sum == before_sum
+    torch.cuda.empty_cache()  # what stays: the context and the weights
+    report["reserved_bytes"] = torch.cuda.memory_reserved()
     print(json.dumps(report), flush=True)
     sys.stdin.readline()  # alive until the parent has measured
 
@@ -101,7 +118,7 @@ def used_bytes(torch):
 
 def start_broker(args, directory):
     socket = os.path.join(directory, "broker.sock")
-    broker = subprocess.Popen([args.dedup, "--socket", socket, "--quiet"])
+    broker = subprocess.Popen([args.dedup, "--socket", socket, "--device", "0", "--quiet"])
     deadline = time.monotonic() + 30
     while not os.path.exists(socket):
         if time.monotonic() > deadline or broker.poll() is not None:
@@ -110,8 +127,9 @@ def start_broker(args, directory):
     return broker, socket
 
 
-def spawn(args, rank, socket):
+def spawn(args, rank, socket, directory):
     command = [sys.executable, os.path.abspath(__file__), "--worker", "--rank", str(rank), "--library", args.library,
+               "--lock", os.path.join(directory, "timing.lock"),
                "--iters", str(args.iters), "--batch", str(args.batch), "--tokens", str(args.tokens),
                "--layers", str(args.layers), "--hidden", str(args.hidden), "--ffn", str(args.ffn)]
     if socket:
@@ -125,25 +143,29 @@ def run(torch, args, mode, n):
         broker, socket = start_broker(args, directory) if mode != "private" else (None, None)
         workers, reports = [], []
         try:
-            if mode == "kill":
+            if mode == "kill":  # all started together, each killed at a random moment
                 rng = random.Random(n)
-                for rank in range(n):
-                    w = spawn(args, rank, socket)
-                    workers.append(w)
-                    time.sleep(rng.uniform(args.kill_after[0], args.kill_after[1]))
+                start = time.monotonic()
+                workers = [spawn(args, rank, socket, directory) for rank in range(n)]
+                for at, w in sorted(((rng.uniform(*args.kill_after), w) for w in workers), key=lambda x: x[0]):
+                    time.sleep(max(0.0, start + at - time.monotonic()))
                     w.send_signal(signal.SIGKILL)
                 for w in workers:
                     w.wait()
                 peak = None
             else:
-                for rank in range(n):  # one after another: the first stores, the others share
-                    w = spawn(args, rank, socket)
-                    workers.append(w)
-                    line = w.stdout.readline()
-                    if not line:
-                        raise SystemExit(f"worker {rank} ({mode}) failed")
-                    reports.append(json.loads(line))
-                    print(json.dumps({"mode": mode, "n": n, **reports[-1]}), flush=True)
+                # private: all at once; glake: the first alone (it stores), then the others at
+                # once (they share what it stored).
+                first = 1 if mode == "glake" else 0
+                for group in (range(first), range(first, n)):
+                    started = [(rank, spawn(args, rank, socket, directory)) for rank in group]
+                    workers += [w for _, w in started]
+                    for rank, w in started:
+                        line = w.stdout.readline()
+                        if not line:
+                            raise SystemExit(f"worker {rank} ({mode}) failed")
+                        reports.append(json.loads(line))
+                        print(json.dumps({"mode": mode, "n": n, **reports[-1]}), flush=True)
                 peak = used_bytes(torch)
                 for w in workers:
                     w.stdin.write("\n")
@@ -181,7 +203,7 @@ def run(torch, args, mode, n):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--library", required=True)
-    parser.add_argument("--dedup", help="glake-dedup")
+    parser.add_argument("--dedup", help="glake-dedup-cuda")
     parser.add_argument("--processes", default="2,4,8")
     parser.add_argument("--modes", default="private,glake,kill")
     parser.add_argument("--iters", type=int, default=20)
@@ -191,32 +213,42 @@ def main():
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--ffn", type=int, default=5632)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kill-after", type=float, nargs=2, default=(4.0, 12.0),
+    parser.add_argument("--kill-after", type=float, nargs=2, default=(3.0, 20.0),
                         help="seconds after its start at which each worker of mode kill is killed")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--socket", help=argparse.SUPPRESS)
+    parser.add_argument("--lock", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
     modes = args.modes.split(",")
     if any(m != "private" for m in modes) and not args.dedup:
-        raise SystemExit("--dedup PATH (glake-dedup) is needed for modes glake and kill")
+        raise SystemExit("--dedup PATH (glake-dedup-cuda) is needed for modes glake and kill")
     import torch
 
     torch.cuda.init()
     results = [run(torch, args, mode, int(n)) for n in args.processes.split(",") for mode in modes]
-    print("\n| N | mode | weights GiB | in use GiB | copies | share s (first, others) | forward ms before / after | same output | left after exit GiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    # A process's memory besides its weights (context, activations, cache), from the private run
+    # of the same N: there in_use = N x (weights + overhead). The weights' copies on the device
+    # are then (in_use - N x overhead) / weights.
+    overhead = {r["n"]: r["in_use_gib"] / r["n"] - r["weights_gib"] for r in results
+                if r["mode"] == "private" and "in_use_gib" in r}
+    print("\n| N | mode | weights GiB | in use GiB | other per process GiB | weight copies | share s (first, others) "
+          "| forward ms before / after | same output | left after exit GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "in_use_gib" in r:
             share = [s for s in r["share_s"] if s is not None]
             share_text = f"{share[0]:.2f}, {statistics.median(share[1:]):.2f}" if len(share) > 1 else "-"
-            print(f"| {r['n']} | {r['mode']} | {r['weights_gib']:.2f} | {r['in_use_gib']:.2f} | {r['copies']:.2f} | "
+            other = overhead.get(r["n"])
+            copies = f"{(r['in_use_gib'] - r['n'] * other) / r['weights_gib']:.2f}" if other is not None else "-"
+            other_text = f"{other:.2f}" if other is not None else "-"
+            print(f"| {r['n']} | {r['mode']} | {r['weights_gib']:.2f} | {r['in_use_gib']:.2f} | {other_text} | {copies} | "
                   f"{share_text} | {r['forward_ms_before']:.1f} / {r['forward_ms_after']:.1f} | {r['same_output']} | "
                   f"{r['leak_gib']:.2f} |")
         else:
-            print(f"| {r['n']} | {r['mode']} | | | | | | | {r['leak_gib']:.2f} |")
+            print(f"| {r['n']} | {r['mode']} | | | | | | | | {r['leak_gib']:.2f} |")
 
 
 if __name__ == "__main__":

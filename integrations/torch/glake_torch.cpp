@@ -110,6 +110,7 @@ struct host_region_maker {
   }
   void unmake(void* p, std::size_t bytes) noexcept { ::munmap(p, bytes); }
   host_shareable_backend backend(int) const { return host_shareable_backend{}; }
+  std::vector<std::string> broker_arguments(int) const { return {}; }
 };
 static_assert(torch_plugin::region_maker<host_region_maker>);
 using weights_registry = torch_plugin::shared_weights_registry<host_region_maker, fast_content_hasher>;
@@ -222,6 +223,8 @@ struct cuda_region_maker {
     (void)cuMemAddressFree(reinterpret_cast<CUdeviceptr>(p), bytes);
   }
   cuda_shareable_backend backend(int device) const { return cuda_shareable_backend(device); }
+  // Device memory needs glake-dedup-cuda, told the device.
+  std::vector<std::string> broker_arguments(int device) const { return {"--device", std::to_string(device)}; }
 
  private:
   static void unmap_pieces(void* p, std::size_t bytes) noexcept {

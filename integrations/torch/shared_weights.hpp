@@ -6,11 +6,13 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "glake/errors.hpp"
 #include "glake/sharing/dedup_client.hpp"
@@ -32,6 +34,9 @@ namespace glake::torch_plugin {
 // | m.unmake(p, n)        | void        | no            | unmaps and frees what make returned
 // | cm.backend(device)    | a shareable | driver_error  | the dedup client's backend for the
 // |                       | backend     |               | device's regions
+// | cm.broker_arguments(  | std::vector | bad_alloc     | what a broker started for these regions
+// |   device)             | <string>    |               | needs besides --socket (glake-dedup-cuda:
+// |                       |             |               | --device N)
 // ---------------------------------------------------------------------------------------------
 template <class M>
 concept region_maker = requires(M& m, const M& cm, void* p, std::size_t n, int device) {
@@ -39,6 +44,7 @@ concept region_maker = requires(M& m, const M& cm, void* p, std::size_t n, int d
   { m.make(n, device) } -> std::same_as<void*>;
   { m.unmake(p, n) } noexcept -> std::same_as<void>;
   { cm.backend(device) } -> shareable_backend;
+  { cm.broker_arguments(device) } -> std::same_as<std::vector<std::string>>;
 };
 
 /// What glake_share reports of one region, as dedup_client's publish_result says it.
@@ -59,8 +65,8 @@ struct share_totals {
 // region's references up before unmaking it. Every call runs under one mutex; a publish holds it
 // for its round trips (one per piece). Errors: usage_error for a pointer that starts no region,
 // a region published twice, an empty socket path; out_of_memory / driver_error from the maker.
-// A broker that cannot be reached is not an error: the pieces stay private and the totals say
-// so (kept_private), and the client reports it once on stderr.
+// A broker that cannot be reached, or that refuses pieces, is not an error: the pieces stay
+// private and the totals say so (kept_private), with a line on stderr giving the first reason.
 // ---------------------------------------------------------------------------------------------
 template <region_maker Maker, content_hasher Hasher>
 class shared_weights_registry {
@@ -114,6 +120,10 @@ class shared_weights_registry {
     client_type& c = client_for(socket, r.device, start_broker);
     const publish_result got = c.publish(p, r.bytes);
     r.client = &c;
+    if (got.kept_private != 0 && !got.reason.empty()) {
+      std::fprintf(stderr, "glake_share: %zu of %zu pieces kept private: %s\n", got.kept_private, got.pieces,
+                   got.reason.c_str());
+    }
     return share_totals{got.pieces, got.shared, got.stored, got.kept_private, got.shared_bytes};
   }
 
@@ -153,6 +163,7 @@ class shared_weights_registry {
       dedup_client_options options;
       options.chunk_bytes = maker_.granularity();
       options.start_broker = start_broker;
+      options.start_arguments = maker_.broker_arguments(device);
       it = clients_.emplace(key, std::make_unique<client_type>(socket, std::move(options), maker_.backend(device))).first;
     }
     return *it->second;

@@ -11,17 +11,22 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "glake/config.hpp"
 #include "glake/errors.hpp"
 #include "glake/sharing/dedup_broker.hpp"
 #include "glake/sharing/dedup_client.hpp"
 #include "../service.hpp"
+#ifdef GLAKE_DEDUP_CUDA
+#include "glake/sharing/cuda_sharing.hpp"
+#endif
 
 namespace {
 
 constexpr const char* usage =
-    "usage: glake-dedup --socket PATH [--group NAME] [--max-objects N] [--max-client-bytes SIZE] [--quiet]\n"
+    "usage: glake-dedup --socket PATH [--device N] [--group NAME] [--max-objects N] [--max-client-bytes SIZE]\n"
+    "                   [--quiet]\n"
     "       glake-dedup --socket PATH --stats\n"
     "Serves cross-process deduplication of read-only memory on the Unix socket PATH until\n"
     "SIGTERM or SIGINT. Only processes of this user connect (socket mode 0600), and members of\n"
@@ -29,6 +34,9 @@ constexpr const char* usage =
     "the same PATH exits at once with status 0 and says so.\n"
     "\n"
     "  --socket PATH      the socket (PATH.lock beside it marks the broker that owns it)\n"
+    "  --device N         share device memory of GPU N (CUDA allocations exported by the clients,\n"
+    "                     such as glake_torch.share_weights) instead of host memory; needs the\n"
+    "                     build with CUDA (glake-dedup-cuda)\n"
     "  --group NAME       also admit the members of this group\n"
     "  --max-objects N    index at most N distinct objects (each holds one descriptor)\n"
     "  --max-client-bytes SIZE\n"
@@ -59,6 +67,19 @@ int print_stats(const std::string& path) {
   return 0;
 }
 
+template <class Verifier>
+void serve_broker(const std::string& path, const glake::dedup_broker_options& options, bool quiet, int stop,
+                  Verifier verifier) {
+  glake::basic_dedup_broker<Verifier> broker(path, options, std::move(verifier));
+  if (!quiet) std::fprintf(stderr, "glake-dedup: serving %s (pid %d)\n", path.c_str(), static_cast<int>(::getpid()));
+  broker.run(stop);
+  if (!quiet) {
+    const auto s = broker.stats();
+    std::fprintf(stderr, "glake-dedup: stopped; %" PRIu64 " publishes, %" PRIu64 " shared, %" PRIu64 " refused\n",
+                 s.publishes, s.shared, s.refused);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -66,6 +87,7 @@ int main(int argc, char** argv) {
   std::optional<std::string> group_name;
   glake::dedup_broker_options options;
   bool stats = false, quiet = false;
+  std::optional<int> device;
   for (int i = 1; i < argc; ++i) {
     const std::string_view arg = argv[i];
     auto value = [&]() -> std::string {
@@ -74,6 +96,15 @@ int main(int argc, char** argv) {
     };
     if (arg == "--socket") {
       path = value();
+    } else if (arg == "--device") {
+      const std::string text = value();
+      char* end = nullptr;
+      errno = 0;
+      const long n = std::strtol(text.c_str(), &end, 10);
+      if (errno != 0 || end == text.c_str() || *end != '\0' || n < 0 || n > 1023) {
+        fail_usage("--device takes a GPU ordinal, not '" + text + "'");
+      }
+      device = static_cast<int>(n);
     } else if (arg == "--group") {
       group_name = value();
     } else if (arg == "--max-objects") {
@@ -109,13 +140,15 @@ int main(int argc, char** argv) {
       if (!options.group) return 2;
     }
     const int stop = glake::tools::stop_on_signals();
-    glake::dedup_broker broker(path, options);
-    if (!quiet) std::fprintf(stderr, "glake-dedup: serving %s (pid %d)\n", path.c_str(), static_cast<int>(::getpid()));
-    broker.run(stop);
-    if (!quiet) {
-      const auto s = broker.stats();
-      std::fprintf(stderr, "glake-dedup: stopped; %" PRIu64 " publishes, %" PRIu64 " shared, %" PRIu64 " refused\n",
-                   s.publishes, s.shared, s.refused);
+    if (device) {
+#ifdef GLAKE_DEDUP_CUDA
+      serve_broker(path, options, quiet, stop, glake::cuda_content_verifier(*device));
+#else
+      std::fprintf(stderr, "glake-dedup: --device needs the build with CUDA (glake-dedup-cuda)\n");
+      return 2;
+#endif
+    } else {
+      serve_broker(path, options, quiet, stop, glake::host_content_verifier());
     }
     return 0;
   });

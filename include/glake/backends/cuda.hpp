@@ -102,6 +102,22 @@ class cuda_event_pool {
   std::mutex mutex_;
   std::vector<CUevent> free_;
 };
+
+// One retained reference to a device's primary context (the one the CUDA runtime and PyTorch
+// use), released by the destructor; it does not make the context current.
+struct cuda_primary_context {
+  explicit cuda_primary_context(int ordinal) {
+    cuda_check(cuInit(0), "cuInit");
+    cuda_check(cuDeviceGet(&device, ordinal), "cuDeviceGet");
+    cuda_check(cuDevicePrimaryCtxRetain(&context, device), "cuDevicePrimaryCtxRetain");
+  }
+  cuda_primary_context(const cuda_primary_context&) = delete;
+  cuda_primary_context& operator=(const cuda_primary_context&) = delete;
+  ~cuda_primary_context() { (void)cuDevicePrimaryCtxRelease(device); }
+  CUdevice device{};
+  CUcontext context = nullptr;
+};
+
 }  // namespace detail
 
 /// Physical device memory: pinned allocations on one device, optionally exportable as POSIX file

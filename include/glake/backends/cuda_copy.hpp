@@ -163,22 +163,10 @@ class cuda_copy_backend {
     bool pushed;
   };
 
-  struct primary_context {
-    explicit primary_context(int ordinal) {
-      detail::cuda_check(cuInit(0), "cuInit");
-      detail::cuda_check(cuDeviceGet(&device, ordinal), "cuDeviceGet");
-      detail::cuda_check(cuDevicePrimaryCtxRetain(&context, device), "cuDevicePrimaryCtxRetain");
-    }
-    primary_context(const primary_context&) = delete;
-    primary_context& operator=(const primary_context&) = delete;
-    ~primary_context() { (void)cuDevicePrimaryCtxRelease(device); }
-    CUdevice device{};
-    CUcontext context = nullptr;
-  };
   struct state {
     explicit state(int ordinal) : device(ordinal), primary(ordinal) {}
     int device;
-    primary_context primary;        // released last: the events below live in it
+    detail::cuda_primary_context primary;  // released last: the events below live in it
     detail::cuda_event_pool events;
   };
   std::shared_ptr<state> state_;

@@ -245,13 +245,17 @@ static_assert(shareable_backend<cuda_shareable_backend>);
 // CUDA handle carries no access rights, so any process holding its descriptor can map it
 // read-write. On the GPU, read-only holds per mapping, against accidental writes, not against an
 // admitted peer set on writing (docs/dedup.md). The broker initialises CUDA itself (it is
-// started with exec). O(n) per comparison; thread safety: one broker thread.
+// started with exec) and retains the device's primary context, made current on the thread
+// of each call. O(n) per comparison; thread safety: one broker thread.
 // ---------------------------------------------------------------------------------------------
-struct cuda_content_verifier {
-  explicit cuda_content_verifier(int device = 0) : device_(device) { detail::cuda_check(cuInit(0), "cuInit"); }
+class cuda_content_verifier {
+ public:
+  explicit cuda_content_verifier(int device = 0)
+      : device_(device), context_(std::make_shared<detail::cuda_primary_context>(device)) {}
 
   const char* check(int fd, std::size_t bytes) const noexcept {
     try {
+      current();
       detail::cuda_handle h = detail::import_fd(fd);
       detail::cuda_scratch_view view(h.get(), bytes, device_, CU_MEM_ACCESS_FLAGS_PROT_READ);
       return nullptr;
@@ -262,6 +266,7 @@ struct cuda_content_verifier {
 
   int equal(int a, int b, std::size_t bytes) const noexcept {
     try {
+      current();
       constexpr std::size_t step = 8 * MiB;
       std::unique_ptr<char[]> buffers(new (std::nothrow) char[2 * step]);
       if (!buffers) return -1;
@@ -285,7 +290,12 @@ struct cuda_content_verifier {
   detail::unique_fd adopt(detail::unique_fd&& fd, std::size_t) noexcept { return std::move(fd); }
 
  private:
+  // The mappings and copies need a context: the device's primary one, made current on the
+  // calling thread (the broker's) at each call.
+  void current() const { detail::cuda_check(cuCtxSetCurrent(context_->context), "cuCtxSetCurrent"); }
+
   int device_;
+  std::shared_ptr<detail::cuda_primary_context> context_;
 };
 static_assert(content_verifier<cuda_content_verifier>);
 

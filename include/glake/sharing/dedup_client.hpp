@@ -52,6 +52,8 @@ struct dedup_client_options {
   /// its own, not this process's child) and connects within timeout_ms. Clients racing to start
   /// one end with one: the others see the path taken and exit.
   std::string start_broker;
+  /// Arguments added to that command line (e.g. {"--device", "0"} for glake-dedup-cuda).
+  std::vector<std::string> start_arguments;
 };
 
 /// What one publish did to its range, piece by piece.
@@ -338,13 +340,21 @@ class dedup_client {
   // Starts options.start_broker through `sh -c '... &'`, so that the broker is nobody's child
   // here (no zombie to reap) and runs in a session of its own, then connects until timeout_ms.
   detail::unique_fd start_and_connect(std::string& why) {
-    const char* argv[] = {"/bin/sh", "-c", "\"$0\" --socket \"$1\" --quiet </dev/null >/dev/null &",
-                          options_.start_broker.c_str(), path_.c_str(), nullptr};
+    // sh -c SCRIPT $0 $1 ...: the script names its arguments, so none is parsed by the shell.
+    std::string script = "\"$0\" --socket \"$1\" --quiet";
+    std::vector<const char*> argv{"/bin/sh", "-c", nullptr, options_.start_broker.c_str(), path_.c_str()};
+    for (std::size_t i = 0; i < options_.start_arguments.size(); ++i) {
+      script += " \"${" + std::to_string(i + 2) + "}\"";
+      argv.push_back(options_.start_arguments[i].c_str());
+    }
+    script += " </dev/null >/dev/null &";
+    argv[2] = script.c_str();
+    argv.push_back(nullptr);
     posix_spawnattr_t attributes;
     posix_spawnattr_init(&attributes);
     posix_spawnattr_setflags(&attributes, POSIX_SPAWN_SETSID);
     pid_t shell = -1;
-    const int spawned = ::posix_spawn(&shell, "/bin/sh", nullptr, &attributes, const_cast<char* const*>(argv), environ);
+    const int spawned = ::posix_spawn(&shell, "/bin/sh", nullptr, &attributes, const_cast<char* const*>(argv.data()), environ);
     posix_spawnattr_destroy(&attributes);
     if (spawned != 0) {
       why = "starting " + options_.start_broker + ": posix_spawn: " + detail::errno_text(spawned);
