@@ -81,6 +81,15 @@ TEST_CASE("offload: a block's memory goes to far memory and back, the pointer an
   CHECK(stamped(p, 64 * M, 3));
   CHECK(a.stats().offloaded_bytes == 0);
   CHECK(a.stats().reserved_bytes == before.reserved_bytes);
+  CHECK(far.created_bytes() == 64 * M);  // kept for the next offload
+  a.verify();
+  // The next offload reuses it (no far memory made), and release_cached gives it back.
+  a.offload(p);
+  CHECK(far.created_bytes() == 64 * M);
+  CHECK(stamped(p, 64 * M, 3));
+  a.prefetch(p);
+  CHECK(stamped(p, 64 * M, 3));
+  a.release_cached();
   CHECK(far.created_bytes() == 0);
   a.verify();
   a.deallocate(p, 64 * M);
@@ -245,6 +254,8 @@ TEST_CASE("offload: freed while offloaded, memory comes back to the device, or w
     a.deallocate(p, 32 * M);
     CHECK(a.stats().offloaded_bytes == 0);
     CHECK(a.stats().reserved_bytes == 32 * M);  // a free segment, cached as usual
+    CHECK(gpu.host_bytes() == 32 * M);          // far memory kept for the next offload
+    a.release_cached();
     CHECK(gpu.host_bytes() == 0);
     CHECK(a.stats().active_bytes == 0);
     a.verify();

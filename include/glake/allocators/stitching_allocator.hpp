@@ -192,7 +192,8 @@ class stitching_allocator {
   }
 
   /// Drops every cached stitched mapping and gives every fully free segment back to the backend
-  /// (PyTorch's empty_cache); while memory is retained, only finishes deferred frees.
+  /// (PyTorch's empty_cache), and the far memory kept for offloads; while memory is retained,
+  /// only finishes deferred frees.
   void release_cached() {
     std::lock_guard guard(lock_);
     release_cached_locked();
@@ -413,6 +414,7 @@ class stitching_allocator {
     small_.release_free_segments(~std::size_t{0});
     release_free_segments(~std::size_t{0});
     if (parked_ > 0) unpark();
+    if (far_) far_->trim();  // far handles kept for the next offloads
   }
 
  public:
