@@ -108,12 +108,31 @@ def worker(args):
     torch.cuda.empty_cache()  # what stays: the context and the weights
     report["reserved_bytes"] = torch.cuda.memory_reserved()
     print(json.dumps(report), flush=True)
-    sys.stdin.readline()  # alive until the parent has measured
+    # Alive until the parent has measured; it may ask for forward passes timed meanwhile.
+    for line in sys.stdin:
+        if line.strip() != "time":
+            break
+        print(json.dumps({"forward_ms": forward_ms(torch, model, args)[0]}), flush=True)
 
 
 def used_bytes(torch):
     free, total = torch.cuda.mem_get_info()
     return total - free
+
+
+def process_memory_mib():
+    """{pid: device memory in MiB} as nvidia-smi sees each process (empty when it cannot say)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    found = {}
+    for line in out.splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+            found[int(parts[0])] = int(parts[1])
+    return found
 
 
 def start_broker(args, directory):
@@ -141,6 +160,8 @@ def run(torch, args, mode, n):
     baseline = used_bytes(torch)
     with tempfile.TemporaryDirectory(prefix="glake-share-") as directory:
         broker, socket = start_broker(args, directory) if mode != "private" else (None, None)
+        time.sleep(1)
+        broker_bytes = used_bytes(torch) - baseline  # the broker's own CUDA context
         workers, reports = [], []
         try:
             if mode == "kill":  # all started together, each killed at a random moment
@@ -167,9 +188,15 @@ def run(torch, args, mode, n):
                         reports.append(json.loads(line))
                         print(json.dumps({"mode": mode, "n": n, **reports[-1]}), flush=True)
                 peak = used_bytes(torch)
+                per_process = process_memory_mib()
+                # Throughput with all N alive, one worker at a time on an otherwise idle GPU.
+                served = []
                 for w in workers:
-                    w.stdin.write("\n")
+                    w.stdin.write("time\n")
                     w.stdin.flush()
+                    served.append(json.loads(w.stdout.readline())["forward_ms"])
+                for w in workers:
+                    w.stdin.close()
                 for w in workers:
                     w.wait()
         finally:
@@ -183,7 +210,7 @@ def run(torch, args, mode, n):
     time.sleep(1)
     after = used_bytes(torch)
     result = {"mode": mode, "n": n, "baseline_gib": baseline / GiB, "after_gib": after / GiB,
-              "leak_gib": (after - baseline) / GiB}
+              "leak_gib": (after - baseline) / GiB, "broker_gib": broker_bytes / GiB}
     if peak is not None:
         weights = reports[0]["weight_bytes"]
         result.update({
@@ -194,6 +221,10 @@ def run(torch, args, mode, n):
             "forward_ms_before": statistics.median(r["forward_ms_before"] for r in reports),
             "forward_ms_after": statistics.median(r.get("forward_ms_after", r["forward_ms_before"]) for r in reports),
             "same_output": all(r.get("same_output", True) for r in reports),
+            "served_ms": statistics.median(served),
+            "worker_mib": [per_process.get(w.pid) for w in workers],
+            "broker_mib": per_process.get(broker.pid) if broker is not None else None,
+            "served_ms_all": served,
             "shared_pieces": [r.get("shared") for r in reports],
         })
     print(json.dumps(result), flush=True)
@@ -229,26 +260,41 @@ def main():
 
     torch.cuda.init()
     results = [run(torch, args, mode, int(n)) for n in args.processes.split(",") for mode in modes]
-    # A process's memory besides its weights (context, activations, cache), from the private run
-    # of the same N: there in_use = N x (weights + overhead). The weights' copies on the device
-    # are then (in_use - N x overhead) / weights.
-    overhead = {r["n"]: r["in_use_gib"] / r["n"] - r["weights_gib"] for r in results
-                if r["mode"] == "private" and "in_use_gib" in r}
-    print("\n| N | mode | weights GiB | in use GiB | other per process GiB | weight copies | share s (first, others) "
-          "| forward ms before / after | same output | left after exit GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    # A process's memory besides its weights (its context, what PyTorch keeps), from the private
+    # run of the same N: there in_use = N x (weights + other). The weights' copies in glake mode
+    # are then (in_use - broker - N x other) / weights; whatever sharing adds per process counts
+    # as copies in that figure. The fit over N of glake's in_use separates the two: its slope is
+    # what each process adds, its intercept the weights and the broker.
+    private = {r["n"]: r for r in results if r["mode"] == "private" and "in_use_gib" in r}
+    other = {n: r["in_use_gib"] / n - r["weights_gib"] for n, r in private.items()}
+    print("\n| N | mode | weights GiB | in use GiB | broker GiB | other per process GiB | weight copies | "
+          "share s (first, others) | forward ms, served (vs private) | same output | left after exit GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "in_use_gib" in r:
             share = [s for s in r["share_s"] if s is not None]
             share_text = f"{share[0]:.2f}, {statistics.median(share[1:]):.2f}" if len(share) > 1 else "-"
-            other = overhead.get(r["n"])
-            copies = f"{(r['in_use_gib'] - r['n'] * other) / r['weights_gib']:.2f}" if other is not None else "-"
-            other_text = f"{other:.2f}" if other is not None else "-"
-            print(f"| {r['n']} | {r['mode']} | {r['weights_gib']:.2f} | {r['in_use_gib']:.2f} | {other_text} | {copies} | "
-                  f"{share_text} | {r['forward_ms_before']:.1f} / {r['forward_ms_after']:.1f} | {r['same_output']} | "
+            o = other.get(r["n"])
+            copies = "-" if o is None else f"{(r['in_use_gib'] - r['broker_gib'] - r['n'] * o) / r['weights_gib']:.2f}"
+            base = private.get(r["n"])
+            served = f"{r['served_ms']:.1f}" + (f" ({r['served_ms'] / base['served_ms']:.3f})" if base else "")
+            print(f"| {r['n']} | {r['mode']} | {r['weights_gib']:.2f} | {r['in_use_gib']:.2f} | {r['broker_gib']:.2f} | "
+                  f"{'-' if o is None else f'{o:.2f}'} | {copies} | {share_text} | {served} | {r['same_output']} | "
                   f"{r['leak_gib']:.2f} |")
         else:
-            print(f"| {r['n']} | {r['mode']} | | | | | | | | {r['leak_gib']:.2f} |")
+            print(f"| {r['n']} | {r['mode']} | | | {r['broker_gib']:.2f} | | | | | | {r['leak_gib']:.2f} |")
+    shared = sorted((r["n"], r["in_use_gib"]) for r in results if r["mode"] == "glake" and "in_use_gib" in r)
+    if len(shared) >= 2:
+        ns, ys = [n for n, _ in shared], [y for _, y in shared]
+        mean_n, mean_y = statistics.fmean(ns), statistics.fmean(ys)
+        slope = sum((n - mean_n) * (y - mean_y) for n, y in shared) / sum((n - mean_n) ** 2 for n in ns)
+        intercept = mean_y - slope * mean_n
+        broker = statistics.fmean(r["broker_gib"] for r in results if r["mode"] == "glake")
+        weights = results[0]["weights_gib"]
+        print(f"\nglake in use = {intercept:.2f} + {slope:.3f} x N GiB (least squares over N = {ns}); "
+              f"less the broker's {broker:.2f} GiB, the intercept is {(intercept - broker) / weights:.2f} copies "
+              f"of the weights; the private processes hold {statistics.fmean(other.values()):.3f} GiB each besides "
+              f"their weights")
 
 
 if __name__ == "__main__":
