@@ -508,15 +508,28 @@ class pluggable_allocator {
   /// on `stream` (the allocator's offload / prefetch), in the device's context. Throws what they
   /// throw, and usage_error for a pointer no device's allocator holds live, or one in a private
   /// pool (a CUDA graph's memory, whose mappings must not change).
-  void offload(void* p, stream_ref stream)
+  /// With move_completion::deferred (a deferring_offloading_allocator), as the allocator's: the
+  /// remap comes once the copies are done; complete_move(p) finishes it before p is used.
+  void offload(void* p, stream_ref stream, move_completion when = move_completion::on_return)
     requires offloading_allocator<Allocator>
   {
-    move_allocation(p, stream, true);
+    move_allocation(p, stream, true, when);
   }
-  void prefetch(void* p, stream_ref stream)
+  void prefetch(void* p, stream_ref stream, move_completion when = move_completion::on_return)
     requires offloading_allocator<Allocator>
   {
-    move_allocation(p, stream, false);
+    move_allocation(p, stream, false, when);
+  }
+  /// Completes the deferred move of the allocation at `p` (the allocator's complete_move),
+  /// waiting for its copies; nothing for a pointer no device's allocator holds live.
+  void complete_move(const void* p)
+    requires deferring_offloading_allocator<Allocator>
+  {
+    registry_.for_each([&](int device, slot& s) {
+      if (!s.allocator->owns(p)) return;
+      DeviceScope scope(device);
+      s.allocator->complete_move(p);
+    });
   }
   /// The bytes offload(p) would move now (the allocator's movable_bytes; 0 for a pointer no
   /// device's allocator holds live, or one in a private pool).
@@ -821,7 +834,7 @@ class pluggable_allocator {
   }
 
  private:
-  void move_allocation(void* p, stream_ref stream, bool to_far) {
+  void move_allocation(void* p, stream_ref stream, bool to_far, move_completion when) {
     bool found = false;
     registry_.for_each([&](int device, slot& s) {
       if (found) return;
@@ -837,10 +850,19 @@ class pluggable_allocator {
       if (!s.allocator->owns(p)) return;
       found = true;
       DeviceScope scope(device);
-      if (to_far) {
-        s.allocator->offload(p, stream);
+      if constexpr (deferring_offloading_allocator<Allocator>) {
+        if (to_far) {
+          s.allocator->offload(p, stream, when);
+        } else {
+          s.allocator->prefetch(p, stream, when);
+        }
       } else {
-        s.allocator->prefetch(p, stream);
+        (void)when;  // completes on return
+        if (to_far) {
+          s.allocator->offload(p, stream);
+        } else {
+          s.allocator->prefetch(p, stream);
+        }
       }
       if (s.trace) s.trace->reserved(s.allocator->reserved_bytes());
     });

@@ -167,6 +167,30 @@ concept offloading_allocator =
       { ca.residence_of(cp) } -> std::same_as<residence>;
     };
 
+// deferring_offloading_allocator (refines offloading_allocator)
+//
+// Moves whose remap may come after the call (move_completion, movers/concepts.hpp).
+//
+// | expression             | returns     | throws              | meaning
+// |------------------------|-------------|---------------------|--------------------------------------
+// | a.offload(p, s, when)  | void        | as offload          | with `deferred`: the copies are queued
+// |                        |             |                     | and the call returns; p's memory moves
+// |                        |             |                     | once they completed
+// | a.prefetch(p, s, when) | void        | as prefetch         | likewise
+// | a.complete_move(p)     | void        | driver errors       | p's deferred move, if any, is complete
+// |                        |             |                     | (waits for its copies)
+// | a.complete_moves(wait) | std::size_t | no                  | completes the deferred moves whose
+// |                        |             |                     | copies are done (every one with
+// |                        |             |                     | `wait`); returns how many completed
+template <class A>
+concept deferring_offloading_allocator =
+    offloading_allocator<A> && requires(A& a, void* p, const void* cp, stream_ref stream, move_completion when, bool wait) {
+      { a.offload(p, stream, when) } -> std::same_as<void>;
+      { a.prefetch(p, stream, when) } -> std::same_as<void>;
+      { a.complete_move(cp) } -> std::same_as<void>;
+      { a.complete_moves(wait) } -> std::same_as<std::size_t>;
+    };
+
 // peak_resetting_allocator
 //
 // | expression      | returns    | throws | meaning

@@ -205,6 +205,7 @@ class stitching_allocator {
   /// the whole cache. Nothing while retaining memory (retain_memory).
   std::size_t release_cached(std::size_t bytes) {
     std::lock_guard guard(lock_);
+    complete_ready(true);
     finish_deferred(true);
     std::size_t released = release_free_segments(bytes);
     if (released < bytes && !retain_) {
@@ -255,6 +256,7 @@ class stitching_allocator {
   /// only releasing would serve fails instead.
   void retain_memory(bool retain) {
     std::lock_guard guard(lock_);
+    if (retain) complete_ready(true);  // no remap may come later
     retain_ = retain;
     if constexpr (stitches) stitcher_.freeze(retain);
   }
@@ -332,10 +334,10 @@ class stitching_allocator {
              address_reserver_for<Reserver, Host> && copier_fits_reserver<Copier, Reserver>
   void attach_far_memory(Host host, Copier copier) {
     std::lock_guard guard(lock_);
-    if (!moved_.empty()) {
+    if (!moved_.empty() || !pending_.empty()) {
       throw usage_error(usage_error::kind::bad_argument,
-                        std::string(name) + "::attach_far_memory: " + std::to_string(moved_.size()) +
-                            " allocation(s) are in the far memory attached now");
+                        std::string(name) + "::attach_far_memory: " + std::to_string(moved_.size() + pending_.size()) +
+                            " allocation(s) are in (or moving to or from) the far memory attached now");
     }
     const std::size_t g = host.granularity();
     if (g == 0 || pool_.chunk() % g != 0) {
@@ -357,17 +359,46 @@ class stitching_allocator {
   /// runs out; usage_error for a pointer that is not a live allocation of at least one whole
   /// handle, one offloaded already, no far memory attached, memory retained (retain_memory), or
   /// a stream capturing a graph (capture_aware_reserver). Waits for the device.
-  void offload(void* p, stream_ref stream = default_stream) {
+  ///
+  /// With move_completion::deferred (backends with events; others complete on return), the call
+  /// waits only for work on other streams that uses p (its own stream, recorded ones), queues
+  /// the copies on `stream` and returns; the memory is remapped, and the device memory given
+  /// back, by the first later call of this allocator that finds the copies done, or by
+  /// complete_move(p) / complete_moves. Until then p must not be used by any work (queued or
+  /// new) but the move: prefetch(p) undoes the move instead (once its copies are done, without a
+  /// copy back), deallocate(p) likewise before freeing, and complete_move(p) finishes it.
+  /// residence_of(p) says host from the call on; reserved_bytes and offloaded_bytes change at
+  /// completion. A remap that fails at completion (out of mapping resources) leaves the memory
+  /// where it was; residence_of says so.
+  void offload(void* p, stream_ref stream = default_stream, move_completion when = move_completion::on_return) {
     std::lock_guard guard(lock_);
-    move_locked("offload", p, stream, true);
+    move_locked("offload", p, stream, true, when);
   }
 
   /// Brings an offloaded allocation's memory back to the device (the reverse of offload, new
   /// device handles, the same pointer). When the device is short, cached memory is released
-  /// first; out_of_memory when that is not enough, with nothing changed.
-  void prefetch(void* p, stream_ref stream = default_stream) {
+  /// first; out_of_memory when that is not enough, with nothing changed. Deferred as offload
+  /// is: until the move completes, p must not be used (complete_move(p) before the work that
+  /// uses it is queued); offload(p) undoes a pending prefetch.
+  void prefetch(void* p, stream_ref stream = default_stream, move_completion when = move_completion::on_return) {
     std::lock_guard guard(lock_);
-    move_locked("prefetch", p, stream, false);
+    move_locked("prefetch", p, stream, false, when);
+  }
+
+  /// Completes the deferred move of the allocation at `p`, waiting for its copies; nothing when
+  /// it has none. A remap that fails leaves the memory where it was (residence_of says where).
+  void complete_move(const void* p) {
+    std::lock_guard guard(lock_);
+    if constexpr (has_events) {
+      if (auto it = pending_.find(reinterpret_cast<std::uintptr_t>(p)); it != pending_.end()) complete_pending(it, true);
+    }
+  }
+
+  /// Completes the deferred moves whose copies are done; with `wait`, every one, waiting for
+  /// them. Returns how many completed (failed remaps included). O(pending moves).
+  std::size_t complete_moves(bool wait = false) {
+    std::lock_guard guard(lock_);
+    return complete_ready(wait);
   }
 
   /// The bytes offload(p) would move now: its whole handles (a stitched allocation's in the part
@@ -377,7 +408,7 @@ class stitching_allocator {
   std::size_t movable_bytes(const void* p) {
     std::lock_guard guard(lock_);
     const auto address = reinterpret_cast<std::uintptr_t>(p);
-    if (!far_ || retain_ || moved_.contains(address)) return 0;
+    if (!far_ || retain_ || moved_.contains(address) || pending_.contains(address)) return 0;
     const live_allocation a = find_live(address);
     if (a.block == nullptr && a.range == nullptr) return 0;
     std::vector<site_type> sites;
@@ -403,11 +434,16 @@ class stitching_allocator {
                         std::string(name) + "::residence_of: " + detail::pointer_text(p) +
                             " is not a live allocation of this allocator");
     }
-    return moved_.contains(reinterpret_cast<std::uintptr_t>(p)) ? residence::host : residence::device;
+    const auto address = reinterpret_cast<std::uintptr_t>(p);
+    if (auto it = pending_.find(address); it != pending_.end()) {  // where its move takes it
+      return it->second.move->to_far() ? residence::host : residence::device;
+    }
+    return moved_.contains(address) ? residence::host : residence::device;
   }
 
  private:
   void release_cached_locked() {
+    complete_ready(true);
     finish_deferred(true);
     if (retain_) return;
     evict_stitches(~std::size_t{0}, true);
@@ -528,6 +564,9 @@ class stitching_allocator {
   // ------------------------------------------------------------------ the ladder
   void* allocate_locked(std::size_t bytes, stream_ref stream) {
     if constexpr (has_events) {
+      if (!pending_.empty()) complete_ready(false);
+    }
+    if constexpr (has_events) {
       if (deferred_.pending()) finish_deferred(false);
     }
     clocks_.enter(stream);
@@ -562,7 +601,8 @@ class stitching_allocator {
         &self::template new_stitch_on<0>, &self::reclaim_small_pool, &self::gather_other_streams,
         &self::wait_for_other_streams, &self::grow_shortfall, &self::new_segment,
         // Rung 1: deferred frees, then cached ranges and free segments for the request.
-        &self::template new_stitch_on<1>, &self::finish_deferred_frees, &self::release_for_request,
+        &self::template new_stitch_on<1>, &self::finish_deferred_frees, &self::finish_pending_moves,
+        &self::release_for_request,
         &self::grow_shortfall, &self::new_segment,
         // Rung 2: everything free released.
         &self::template new_stitch_on<2>, &self::release_all_free, &self::grow_shortfall, &self::new_segment>(r);
@@ -627,6 +667,13 @@ class stitching_allocator {
         finish_deferred(true);  // deferred frees may be what is missing
         return from_free_block(r);
       }
+    }
+    return nullptr;
+  }
+  // Offloads still copying hold device memory that their completion gives back.
+  void* finish_pending_moves(const request&) {
+    if constexpr (has_events) {
+      if (!pending_.empty()) complete_ready(true);
     }
     return nullptr;
   }
@@ -706,6 +753,13 @@ class stitching_allocator {
   // ------------------------------------------------------------------ deallocation
   void deallocate_locked(void* p, std::size_t bytes, stream_ref stream) {
     if (p == nullptr) return;
+    if constexpr (has_events) {
+      if (!pending_.empty()) {
+        // A move of it still copying is undone first: the memory stays where it was.
+        if (auto it = pending_.find(reinterpret_cast<std::uintptr_t>(p)); it != pending_.end()) cancel_pending(it);
+        complete_ready(false);
+      }
+    }
     if constexpr (has_events) {
       if (deferred_.active()) {
         const auto check = [this](void* q, std::size_t n) {
@@ -837,6 +891,7 @@ class stitching_allocator {
 
   void release_everything() noexcept {
     if constexpr (has_events) {
+      while (!pending_.empty()) cancel_pending(pending_.begin());
       finish_deferred(true);
       clocks_.synchronize_all();
     }
@@ -851,6 +906,7 @@ class stitching_allocator {
   using slot_type = typename pool_type::slot_type;
   using site_type = detail::handle_site<slot_type>;
   using far_type = far_memory<typename Provider::handle_type>;
+  using move_type = detail::handle_move<std::remove_reference_t<decltype(std::declval<pool_type&>().backend())>, slot_type>;
   /// An allocation whose memory is in far memory: its handles' sites, their bytes, and whether
   /// it was freed meanwhile (parked: its memory waits there for device memory to come back to).
   struct moved_allocation {
@@ -910,10 +966,11 @@ class stitching_allocator {
     }
   }
 
-  // Nothing queued before now may still use the allocation: the work on `stream`, on its own
-  // stream and on the streams recorded for it has completed.
+  // Nothing queued before now may still use the allocation: the work on `stream` (unless
+  // `on_stream` is false: a copy queued there comes after it anyway), on its own stream and on
+  // the streams recorded for it has completed.
   void wait_for_uses([[maybe_unused]] const void* p, [[maybe_unused]] stream_ref stream,
-                     [[maybe_unused]] stream_ref own) {
+                     [[maybe_unused]] stream_ref own, [[maybe_unused]] bool on_stream = true) {
     if constexpr (has_events) {
       auto& events = clocks_.events();
       const auto wait_on = [&](stream_ref s) {
@@ -921,7 +978,7 @@ class stitching_allocator {
         events.wait(e);
         events.recycle(e);
       };
-      wait_on(stream);
+      if (on_stream) wait_on(stream);
       if (own != stream) wait_on(own);
       bool used = false;
       deferred_.for_each_use(p, [&](stream_ref) { used = true; });
@@ -954,10 +1011,26 @@ class stitching_allocator {
     return detail::move_handles(pool_.backend(), *far_, sites, to_far, copy, stream, wait_copies);
   }
 
-  void move_locked(const char* what, void* p, stream_ref stream, bool to_far) {
+  void move_locked(const char* what, void* p, stream_ref stream, bool to_far, move_completion when) {
     const auto address = reinterpret_cast<std::uintptr_t>(p);
     const std::string where = std::string(name) + "::" + what + ": ";
     if (!far_) throw usage_error(usage_error::kind::bad_argument, where + "no far memory is attached (attach_far_memory)");
+    if constexpr (has_events) {
+      if (!pending_.empty()) {
+        if (auto pit = pending_.find(address); pit != pending_.end()) {
+          if (pit->second.move->to_far() == to_far) {
+            throw usage_error(usage_error::kind::bad_argument,
+                              where + detail::pointer_text(p) +
+                                  (to_far ? " is offloaded already (its move is pending)"
+                                          : " is not offloaded (it is coming back to the device)"));
+          }
+          // The opposite of a pending move: undone once its copies are done, nothing copied back.
+          cancel_pending(pit);
+          return;
+        }
+        complete_ready(false);
+      }
+    }
     const auto it = moved_.find(address);
     const live_allocation a = find_live(address);
     if ((a.block == nullptr && a.range == nullptr) || (it != moved_.end() && it->second.parked)) {
@@ -1008,12 +1081,19 @@ class stitching_allocator {
     }
     std::size_t bytes = 0;
     for (const site_type& s : sites) bytes += s.slot->size;
-    wait_for_uses(p, stream, a.stream);
+    // Deferred, the copies are queued after the work on `stream` and the remap waits for them:
+    // only other streams' uses are waited for now.
+    const bool deferred = has_events && when == move_completion::deferred;
+    wait_for_uses(p, stream, a.stream, !deferred);
     if constexpr (stitches) {
       for (std::size_t i = 0; i < homes.size(); ++i) {
         const std::size_t lo = sites[i].slot->offset;
         stitcher_.drop_mapping(homes[i], lo, lo + sites[i].slot->size);
       }
+    }
+    if (deferred) {
+      start_deferred(where, p, sites, bytes, to_far, stream);
+      return;
     }
     detail::move_outcome r = move_sites(sites, to_far, true, stream);
     if (r == detail::move_outcome::out_of_memory && !to_far) {
@@ -1022,13 +1102,7 @@ class stitching_allocator {
       small_.release_free_segments(~std::size_t{0});
       if (release_free_segments(bytes) > 0) r = move_sites(sites, to_far, true, stream);
     }
-    if (r == detail::move_outcome::out_of_memory) {
-      throw out_of_memory(bytes, counters_.s.reserved_bytes, counters_.s.active_bytes,
-                          where + "moving " + format_bytes(bytes) + " of " + detail::pointer_text(p) + " " +
-                              (to_far ? "to far memory: far memory ran out" : "back to the device: the device ran out") +
-                              " (nothing moved; reserved " + format_bytes(counters_.s.reserved_bytes) +
-                              ", offloaded " + format_bytes(counters_.s.offloaded_bytes) + ")");
-    }
+    if (r == detail::move_outcome::out_of_memory) throw_move_out_of_memory(where, p, bytes, to_far);
     if (to_far) {
       counters_.on_move_out(bytes);
       moved_.emplace(address, moved_allocation{std::move(sites), bytes, false});
@@ -1036,6 +1110,123 @@ class stitching_allocator {
       counters_.on_move_in(bytes);
       moved_.erase(it);
     }
+  }
+
+  // ------------------------------------------------------------------ deferred moves
+  // A move whose copies were queued and whose remap waits for them (move_completion::deferred):
+  // the allocation at its address is, until then, physically where it was.
+  using moved_map = std::map<std::uintptr_t, moved_allocation>;
+  struct pending_move {
+    std::unique_ptr<move_type> move;
+    typename events_type::event_type copied{};  // recorded after the copies
+    typename moved_map::node_type record;       // an offload's entry in moved_, made up front
+  };
+  using pending_map = std::map<std::uintptr_t, pending_move>;
+
+  // Queues the copies of a deferred move and records it; completes it at once when the copies
+  // are done already. Out of memory for the new handles: out_of_memory, nothing changed.
+  void start_deferred(const std::string& where, void* p, const std::vector<site_type>& sites, std::size_t bytes,
+                      bool to_far, stream_ref stream) {
+    if constexpr (has_events) {
+      auto& events = clocks_.events();
+      const auto wait_copies = [&] {
+        const auto e = events.record(stream);
+        events.wait(e);
+        events.recycle(e);
+      };
+      auto move = std::make_unique<move_type>(pool_.backend(), *far_, std::span<const site_type>(sites), to_far);
+      detail::move_outcome r = move->start(true, stream, wait_copies);
+      if (r == detail::move_outcome::out_of_memory && !to_far) {
+        // Device memory this allocator caches makes room for the memory coming back.
+        evict_stitches(~std::size_t{0}, true);
+        small_.release_free_segments(~std::size_t{0});
+        if (release_free_segments(bytes) > 0) r = move->start(true, stream, wait_copies);
+      }
+      if (r == detail::move_outcome::out_of_memory) throw_move_out_of_memory(where, p, bytes, to_far);
+      const auto address = reinterpret_cast<std::uintptr_t>(p);
+      typename pending_map::iterator it;
+      try {
+        it = pending_.emplace(address, pending_move{}).first;
+        try {
+          if (to_far) {
+            moved_map one;  // the entry completion will add to moved_, so that adding cannot fail
+            one.emplace(address, moved_allocation{});
+            it->second.record = one.extract(one.begin());
+          }
+          it->second.copied = events.record(stream);
+        } catch (...) {
+          pending_.erase(it);
+          throw;
+        }
+      } catch (...) {
+        events.synchronize();  // the copies may still write the new handles
+        throw;                 // move's destructor gives them back
+      }
+      it->second.move = std::move(move);
+      if (events.done_or_not_yet(it->second.copied)) complete_pending(it, false);
+    }
+  }
+
+  // Completes the pending moves whose copies are done (all, waiting, with `wait`).
+  std::size_t complete_ready([[maybe_unused]] bool wait) noexcept {
+    std::size_t completed = 0;
+    if constexpr (has_events) {
+      for (auto it = pending_.begin(); it != pending_.end();) {
+        auto next = std::next(it);
+        if (wait || clocks_.events().done_or_not_yet(it->second.copied)) {
+          complete_pending(it, wait);
+          ++completed;
+        }
+        it = next;
+      }
+    }
+    return completed;
+  }
+
+  // Remaps a pending move's addresses once its copies are done (waiting for them first with
+  // `wait`) and records where the allocation now is. A remap that fails (out of mapping
+  // resources, a driver error) leaves everything where it was.
+  void complete_pending(typename pending_map::iterator it, bool wait) noexcept {
+    auto& events = clocks_.events();
+    if (wait) events.wait(it->second.copied);
+    events.recycle(it->second.copied);
+    const std::uintptr_t address = it->first;
+    std::unique_ptr<move_type> move = std::move(it->second.move);
+    typename moved_map::node_type record = std::move(it->second.record);
+    pending_.erase(it);
+    detail::move_outcome r = detail::move_outcome::out_of_memory;
+    try {
+      r = move->finish();
+    } catch (...) {
+    }
+    if (r != detail::move_outcome::moved) return;  // finish gave the new handles back
+    const std::size_t bytes = move->bytes();
+    if (move->to_far()) {
+      counters_.on_move_out(bytes);
+      record.mapped() = moved_allocation{move->take_sites(), bytes, false};
+      moved_.insert(std::move(record));
+    } else {
+      counters_.on_move_in(bytes);
+      moved_.erase(address);
+    }
+  }
+
+  // Undoes a pending move once its copies are done: the new handles go, the allocation stays
+  // where it was (its bytes there are intact: nothing may have used it meanwhile).
+  void cancel_pending(typename pending_map::iterator it) noexcept {
+    auto& events = clocks_.events();
+    events.wait(it->second.copied);
+    events.recycle(it->second.copied);
+    it->second.move->abandon();
+    pending_.erase(it);
+  }
+
+  [[noreturn]] void throw_move_out_of_memory(const std::string& where, void* p, std::size_t bytes, bool to_far) {
+    throw out_of_memory(bytes, counters_.s.reserved_bytes, counters_.s.active_bytes,
+                        where + "moving " + format_bytes(bytes) + " of " + detail::pointer_text(p) + " " +
+                            (to_far ? "to far memory: far memory ran out" : "back to the device: the device ran out") +
+                            " (nothing moved; reserved " + format_bytes(counters_.s.reserved_bytes) +
+                            ", offloaded " + format_bytes(counters_.s.offloaded_bytes) + ")");
   }
 
   // A free of an offloaded allocation: its memory back on the device (no copy: the bytes are
@@ -1157,7 +1348,8 @@ class stitching_allocator {
   memory_observer observer_ = nullptr;
   void* observer_context_ = nullptr;
   bool retain_ = false;  // retain_memory: nothing released, unmapped or remapped
-  std::map<std::uintptr_t, moved_allocation> moved_;  // allocations in far memory, by address
+  moved_map moved_;                                   // allocations in far memory, by address
+  pending_map pending_;                               // deferred moves still copying, by address
   std::size_t parked_ = 0;                            // of them, freed ones
   [[no_unique_address]] mutable Lock lock_;
 };
@@ -1175,6 +1367,8 @@ static_assert(partly_cache_releasing_allocator<stitching_allocator<detail::provi
 static_assert(completion_releasing_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
 static_assert(peak_resetting_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
 static_assert(offloading_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
+static_assert(deferring_offloading_allocator<
+              stitching_allocator<detail::provider_archetype, detail::evented_reserver_archetype, no_stitching>>);
 static_assert(stream_recording_allocator<
               stitching_allocator<detail::provider_archetype, detail::evented_reserver_archetype, no_stitching>>);
 

@@ -17,6 +17,13 @@ enum class residence : std::uint8_t {
   host,    ///< host memory mapped at the same addresses: the device reads it over the bus
 };
 
+/// When a move's remap happens: before the call returns (on_return: the call waits for the work
+/// queued before the move and for its copies), or later, once its copies have completed
+/// (deferred: the call queues the copies and returns; the memory is remapped by a later call
+/// that finds them done, or by a call that settles the move). Backends without events (whose
+/// copies are done when they return) complete every move on return.
+enum class move_completion : std::uint8_t { on_return, deferred };
+
 constexpr const char* to_string(residence r) noexcept {
   switch (r) {
     case residence::none: return "none";
@@ -62,5 +69,32 @@ concept tiered_memory = requires(M& m, const M& cm, std::size_t offset, std::siz
   { m.prefetch(offset, bytes, stream) } -> std::same_as<void>;
   { m.record_stream(stream) } -> std::same_as<void>;
 };
+
+// ---------------------------------------------------------------------------------------------
+// deferring_tiered_memory (refines tiered_memory)
+//
+// Moves whose remap may come after the call (move_completion::deferred): the calling thread does
+// not wait for the device, so copies overlap the work it queues next. Between such a call and
+// the move's completion, no work may touch the memory moved (queued before the call on a stream
+// other than the move's, or queued after it): the remap may come at any later call. settle() is
+// that completion, before the memory is used again.
+//
+// | expression                 | returns | throws                | meaning
+// |----------------------------|---------|-----------------------|----------------------------------
+// | m.offload(off, n, s, when) | void    | as offload            | as offload; with `deferred` the
+// |                            |         |                       | device memory goes back once the
+// |                            |         |                       | copies completed
+// | m.prefetch(off, n, s, when)| void    | as prefetch           | as prefetch, likewise
+// | m.settle()                 | void    | driver_error          | every deferred move of m is
+// |                            |         |                       | complete (waits for its copies);
+// |                            |         |                       | the memory may be used
+// ---------------------------------------------------------------------------------------------
+template <class M>
+concept deferring_tiered_memory =
+    tiered_memory<M> && requires(M& m, std::size_t offset, std::size_t bytes, stream_ref stream, move_completion when) {
+      { m.offload(offset, bytes, stream, when) } -> std::same_as<void>;
+      { m.prefetch(offset, bytes, stream, when) } -> std::same_as<void>;
+      { m.settle() } -> std::same_as<void>;
+    };
 
 }  // namespace glake
