@@ -10,7 +10,11 @@ its own with glake as PyTorch's allocator:
 
   gpu    every weight stays on the device (the baseline);
   glake  Scheduler(budget = fraction x weights).attach(model): each layer's pre-hooks bring its
-         weight in, the plan prefetches ahead and offloads the furthest next use.
+         weight in, the plan prefetches ahead and offloads the furthest next use; every move
+         returns once the memory moved (moves="wait");
+  glake-deferred  the same with moves="deferred": a move queues its copies and returns, the
+         memory is remapped once they are done, and a layer's pre-hook waits only for the moves
+         of its own weight.
 
 Per variant: step time (median and p10-p90 of --steps steps after --warmup), the weights' bytes on
 the device at most (the scheduler's peak_device_bytes; the baseline: all of them), device memory in
@@ -75,8 +79,9 @@ def child(args):
     del host
 
     scheduler = None
-    if args.variant == "glake":
-        scheduler = glake_torch.Scheduler(int(args.fraction * weight_bytes), name="schedule_weights")
+    if args.variant in ("glake", "glake-deferred"):
+        moves = "deferred" if args.variant == "glake-deferred" else "wait"
+        scheduler = glake_torch.Scheduler(int(args.fraction * weight_bytes), name="schedule_weights", moves=moves)
         scheduler.attach(model)
 
     def step():
@@ -121,7 +126,7 @@ def child(args):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--library", required=True)
-    ap.add_argument("--variants", default="gpu,glake")
+    ap.add_argument("--variants", default="gpu,glake,glake-deferred")
     ap.add_argument("--mode", choices=("infer", "train"), default="train")
     ap.add_argument("--fraction", type=float, default=0.6)
     ap.add_argument("--layers", type=int, default=24)
@@ -138,8 +143,16 @@ def main():
     runs = []
     for r in range(args.rounds):
         for v in (variants if r % 2 == 0 else list(reversed(variants))):
-            cmd = [sys.executable, os.path.abspath(__file__), "--variant", v] + [
-                a for a in sys.argv[1:] if a not in ("--variants",)]
+            passed = []  # this script's arguments but --variants and its value
+            skip = False
+            for a in sys.argv[1:]:
+                if skip:
+                    skip = False
+                elif a == "--variants":
+                    skip = True
+                elif not a.startswith("--variants="):
+                    passed.append(a)
+            cmd = [sys.executable, os.path.abspath(__file__), "--variant", v] + passed
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 print(json.dumps({"variant": v, "round": r, "error": done.stderr[-2000:]}), flush=True)

@@ -899,15 +899,18 @@ torch_plugin::scheduled_workload& scheduler_of(void* handle) {
 }
 }  // namespace
 
+static_assert(deferring_tiered_memory<torch_plugin::plugin_block<plugin_type>>);
+
 extern "C" {
 
-GLAKE_TORCH_API void* glake_scheduler_create(int device, size_t budget_bytes, const char* socket, const char* name,
-                                             CUstream_st* stream) {
+GLAKE_TORCH_API void* glake_scheduler_create_with(int device, size_t budget_bytes, const char* socket,
+                                                  const char* name, CUstream_st* stream, int deferred_moves) {
   torch_plugin::scheduled_workload* made = nullptr;
   movable_call("creating a scheduler", nullptr, [&] {
     if (budget_bytes == 0) throw usage_error(usage_error::kind::bad_argument, "a budget of 0 bytes");
     scheduler_options options;
     options.stream = stream_ref{stream};
+    options.moves = deferred_moves != 0 ? move_completion::deferred : move_completion::on_return;
     std::string workload = name != nullptr && *name != '\0' ? name : "pid " + std::to_string(::getpid());
     workload += " on device " + std::to_string(device);
     std::unique_ptr<torch_plugin::scheduled_workload> w;
@@ -923,6 +926,11 @@ GLAKE_TORCH_API void* glake_scheduler_create(int device, size_t budget_bytes, co
     made = w.release();
   });
   return made;
+}
+
+GLAKE_TORCH_API void* glake_scheduler_create(int device, size_t budget_bytes, const char* socket, const char* name,
+                                             CUstream_st* stream) {
+  return glake_scheduler_create_with(device, budget_bytes, socket, name, stream, 0);
 }
 
 GLAKE_TORCH_API int glake_scheduler_destroy(void* handle) {

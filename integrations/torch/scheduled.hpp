@@ -30,8 +30,8 @@ namespace glake::torch_plugin {
 //
 // The tiered_memory of one live allocation [p, p + bytes) of a pluggable_allocator's devices:
 // moved whole by the allocator that holds it (offload / prefetch by pointer, in that device's
-// context), as allocation_memory moves one allocator's allocation. Ranges outside it are
-// refused; residence_of throws usage_error once nothing holds p live any more.
+// context), as allocation_memory moves one allocator's allocation, deferred or not. Ranges
+// outside it are refused; residence_of throws usage_error once nothing holds p live any more.
 // ---------------------------------------------------------------------------------------------
 template <class Plugin>
 class plugin_block {
@@ -64,6 +64,17 @@ class plugin_block {
     check("prefetch", offset, bytes);
     plugin_->prefetch(data_, stream);
   }
+  // Deferred moves (deferring_tiered_memory): the allocator remaps once the copies are done;
+  // settle() completes the move before the block is used.
+  void offload(std::size_t offset, std::size_t bytes, stream_ref stream, move_completion when) {
+    check("offload", offset, bytes);
+    plugin_->offload(data_, stream, when);
+  }
+  void prefetch(std::size_t offset, std::size_t bytes, stream_ref stream, move_completion when) {
+    check("prefetch", offset, bytes);
+    plugin_->prefetch(data_, stream, when);
+  }
+  void settle() { plugin_->complete_move(data_); }
   void record_stream(stream_ref stream) noexcept { plugin_->record_stream(data_, stream); }
 
  private:

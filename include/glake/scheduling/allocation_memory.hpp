@@ -30,6 +30,9 @@ namespace glake {
 // | m.offload(off, n, s)  | a.offload(p, s)                 | usage_error (range outside), A's
 // | m.prefetch(off, n, s) | a.prefetch(p, s)                | usage_error (range outside), A's
 // | m.record_stream(s)    | a.record_stream(p, s)           | no (A's errors are dropped)
+// | m.offload(off, n, s,  | a.offload(p, s, w) (a deferring | as offload
+// |   w), prefetch too    | offloading allocator only)      |
+// | m.settle()            | a.complete_move(p)              | A's
 //
 // What an allocator moves: the stitching allocator moves the allocation's whole handles; bytes in
 // a handle it shares with a neighbouring block stay on the device (at most two handles' worth, at
@@ -73,6 +76,26 @@ class allocation_memory {
   void prefetch(std::size_t offset, std::size_t bytes, stream_ref stream = default_stream) {
     check_range("prefetch", offset, bytes);
     allocator_->prefetch(data_, stream);
+  }
+
+  /// As above, the move's completion deferred or not (deferring_tiered_memory).
+  void offload(std::size_t offset, std::size_t bytes, stream_ref stream, move_completion when)
+    requires deferring_offloading_allocator<A>
+  {
+    check_range("offload", offset, bytes);
+    allocator_->offload(data_, stream, when);
+  }
+  void prefetch(std::size_t offset, std::size_t bytes, stream_ref stream, move_completion when)
+    requires deferring_offloading_allocator<A>
+  {
+    check_range("prefetch", offset, bytes);
+    allocator_->prefetch(data_, stream, when);
+  }
+  /// The allocation's deferred move, if any, is complete.
+  void settle()
+    requires deferring_offloading_allocator<A>
+  {
+    allocator_->complete_move(data_);
   }
 
   void record_stream(stream_ref stream) noexcept {

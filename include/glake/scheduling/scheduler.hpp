@@ -30,6 +30,11 @@ namespace glake {
 struct scheduler_options {
   stream_ref stream = default_stream;  ///< offloads and prefetches are queued here
   std::chrono::nanoseconds wait_timeout = std::chrono::seconds(30);  ///< then out_of_memory
+  /// With memory that can (deferring_tiered_memory), moves do not wait for the device: their
+  /// copies are queued and the memory is remapped later; will_use settles the moves of what it
+  /// pins before returning. The thread that queues the work then never waits for the GPU to
+  /// drain, but copies still run on `stream`, in line with the work queued there.
+  move_completion moves = move_completion::on_return;
 };
 
 /// A workload_scheduler's counters.
@@ -80,7 +85,10 @@ struct scheduler_statistics {
 // waiting before it (they come back before it proceeds): of two workloads that each pin part of
 // what the other needs, the first to wait goes first instead of both waiting forever.
 // Streams: every move is queued on options.stream. Work on other streams that uses managed memory
-// must be recorded on it (tiered_memory::record_stream) so that an offload waits for it.
+// must be recorded on it (tiered_memory::record_stream) so that an offload waits for it. With
+// options.moves deferred (memory that can defer), a move's remap comes after its call; will_use
+// settles the pinned allocations' moves before it returns, so work queued after it finds them
+// in place, and memory not pinned is never used by the workload (its use comes through will_use).
 // Lifetime: managed memory must outlive the scheduler or be unmanaged first; the scheduler's
 // share of the budget goes back when it is destroyed (or an allocation is unmanaged), wherever
 // its memory then is: free it, or move it out first, or the device holds more than the budget
@@ -246,6 +254,13 @@ class workload_scheduler final : public budget_member {
     bring_in();
     if constexpr (prefetching_policy<Policy>) prefetch_due();
     budget_.changed();  // the previous operation's memory may move now
+    if constexpr (deferring_tiered_memory<Memory>) {
+      if (options_.moves == move_completion::deferred) {
+        // What the operation uses must be where it is going before the work is queued.
+        std::lock_guard lock(mutex_);
+        for (allocation_id id : op_) slots_[id].memory->settle();
+      }
+    }
   }
   void will_use(std::initializer_list<allocation_id> ids) {
     will_use(std::span<const allocation_id>(ids.begin(), ids.size()));
@@ -301,7 +316,7 @@ class workload_scheduler final : public budget_member {
     if (!lock.owns_lock() || id >= slots_.size()) return 0;
     slot& s = slots_[id];
     if (!movable(s, a) || !(policy_.next_use(id, now()) > a.later_than)) return 0;
-    s.memory->offload(0, s.bytes, options_.stream);
+    offload_now(s);
     s.on_device = false;
     ++stats_.offloads;
     stats_.offloaded_bytes += s.bytes;
@@ -349,8 +364,19 @@ class workload_scheduler final : public budget_member {
     stats_.device_bytes = static_cast<std::size_t>(static_cast<std::ptrdiff_t>(stats_.device_bytes) + delta);
     stats_.peak_device_bytes = std::max(stats_.peak_device_bytes, stats_.device_bytes);
   }
+  void offload_now(slot& s) {
+    if constexpr (deferring_tiered_memory<Memory>) {
+      s.memory->offload(0, s.bytes, options_.stream, options_.moves);
+    } else {
+      s.memory->offload(0, s.bytes, options_.stream);
+    }
+  }
   void prefetch_now(slot& s) {
-    s.memory->prefetch(0, s.bytes, options_.stream);
+    if constexpr (deferring_tiered_memory<Memory>) {
+      s.memory->prefetch(0, s.bytes, options_.stream, options_.moves);
+    } else {
+      s.memory->prefetch(0, s.bytes, options_.stream);
+    }
     s.on_device = true;
     stats_.prefetched_bytes += s.bytes;
     note_device(static_cast<std::ptrdiff_t>(s.bytes));

@@ -189,6 +189,10 @@ def load(library=None):
         lib.glake_scheduler_create.restype = ctypes.c_void_p
         lib.glake_scheduler_create.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_char_p,
                                                ctypes.c_void_p]
+    if hasattr(lib, "glake_scheduler_create_with"):  # with the choice of deferred moves
+        lib.glake_scheduler_create_with.restype = ctypes.c_void_p
+        lib.glake_scheduler_create_with.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_char_p,
+                                                    ctypes.c_void_p, ctypes.c_int]
         for name in ("glake_scheduler_destroy", "glake_scheduler_iteration_begin", "glake_scheduler_idle"):
             getattr(lib, name).restype = ctypes.c_int
             getattr(lib, name).argtypes = [ctypes.c_void_p]
@@ -1003,20 +1007,34 @@ class Scheduler:
 
     Drive it by hand (manage, iteration_begin, will_use before each operation) or let attach(model)
     do it with module hooks. Tensors smaller than one 2 MiB handle are left alone (not movable);
-    managed tensors are kept alive by the scheduler until unmanage() or close()."""
+    managed tensors are kept alive by the scheduler until unmanage() or close().
 
-    def __init__(self, budget, device=None, socket=None, name=None, stream=None, library=None):
+    `moves`: "wait" (each move returns once the memory moved: the thread waits for the device) or
+    "deferred" (a move queues its copies and returns; the memory is remapped once they are done,
+    and will_use settles what it names before returning: the thread waits only for the moves of
+    what the next operation uses)."""
+
+    MOVES = ("wait", "deferred")
+
+    def __init__(self, budget, device=None, socket=None, name=None, stream=None, library=None, moves="wait"):
         self._lib = load(library)
         if not hasattr(self._lib, "glake_scheduler_create"):
             raise RuntimeError("glake_torch: this libglake_torch.so has no schedulers (rebuild it)")
         if budget <= 0:
             raise ValueError(f"glake_torch: a budget of {budget} bytes")
+        if moves not in self.MOVES:
+            raise ValueError(f"glake_torch: moves must be one of {self.MOVES}, not {moves!r}")
+        if moves != "wait" and not hasattr(self._lib, "glake_scheduler_create_with"):
+            raise RuntimeError("glake_torch: this libglake_torch.so has no deferred moves (rebuild it)")
         self.device = _device_index(device)
         self.budget = int(budget)
-        handle = self._lib.glake_scheduler_create(self.device, self.budget,
-                                                  os.fsencode(socket) if socket else None,
-                                                  name.encode() if name else None,
-                                                  _stream_handle(stream, self.device))
+        self.moves = moves
+        arguments = (self.device, self.budget, os.fsencode(socket) if socket else None,
+                     name.encode() if name else None, _stream_handle(stream, self.device))
+        if hasattr(self._lib, "glake_scheduler_create_with"):
+            handle = self._lib.glake_scheduler_create_with(*arguments, int(moves == "deferred"))
+        else:
+            handle = self._lib.glake_scheduler_create(*arguments)
         if not handle:
             raise RuntimeError(f"glake_torch: creating a scheduler failed: {_last_error(self._lib)}")
         self._handle = handle

@@ -63,6 +63,27 @@ class SchedulerTest(unittest.TestCase):
         for p, _ in blocks:  # close brings them back where there is room
             self.assertEqual(glake_torch.residence(p), "device")
 
+    def test_deferred_moves_keep_the_budget_and_every_use_finds_its_blocks(self):
+        # The simulated backend has no events, so a deferred move completes on return here; this
+        # checks the option's path through the C interface and the scheduler's settling.
+        blocks = [self.block(8 * MiB) for _ in range(6)]
+        s = glake_torch.Scheduler(24 * MiB, device=0, name="deferred", moves="deferred")
+        self.assertEqual(s.moves, "deferred")
+        for b in blocks:
+            s.manage(b)
+        for _ in range(3):
+            s.iteration_begin()
+            for k in range(len(blocks)):
+                use = [blocks[k], blocks[(k + 2) % len(blocks)]]
+                s.will_use(use)
+                for p, _ in use:
+                    self.assertEqual(glake_torch.residence(p), "device")
+                self.assertLessEqual(self.on_device(blocks), 24 * MiB)
+        self.assertGreater(s.stats()["offloads"], 0)
+        s.close()
+        with self.assertRaisesRegex(ValueError, "moves must be one of"):
+            glake_torch.Scheduler(24 * MiB, device=0, moves="later")
+
     def test_small_and_repeated_tensors_are_left_alone(self):
         s = glake_torch.Scheduler(16 * MiB, device=0)
         small = self.block(MiB)
