@@ -197,6 +197,10 @@ TEST_CASE("allocation_memory: a scheduler with deferred moves never waits on its
     // Offloads never waited; only what an operation fetched on demand, right before its use.
     CHECK(w.stats().offloads > stats_before.offloads);
     CHECK(log.waited - waits_before <= w.stats().demand_fetches - stats_before.demand_fetches);
+    // Whatever is still pending completes, as before an optimizer step that uses everything.
+    w.settle();
+    CHECK(a.complete_moves(true) == 0);
+    for (std::size_t i = 0; i < blocks.size(); ++i) CHECK(w.residence_of(ids[i]) == a.residence_of(blocks[i]));
     w.idle();
     for (allocation_id id : ids) w.unmanage(id);
   }

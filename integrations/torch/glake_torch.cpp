@@ -965,6 +965,10 @@ GLAKE_TORCH_API int glake_scheduler_idle(void* handle) {
   return movable_call("idling", handle, [&] { scheduler_of(handle).idle(); });
 }
 
+GLAKE_TORCH_API int glake_scheduler_settle(void* handle) {
+  return movable_call("settling the moves of", handle, [&] { scheduler_of(handle).settle(); });
+}
+
 GLAKE_TORCH_API size_t glake_scheduler_stats(void* handle, uint64_t* values, size_t capacity) {
   try {
     return torch_plugin::write_scheduler_stats(scheduler_of(handle).stats(), values, capacity);

@@ -100,6 +100,8 @@ class scheduled_workload {
   virtual void will_use(std::span<void* const> pointers) = 0;
   virtual void iteration_begin() = 0;
   virtual void idle() = 0;
+  /// Every pending (deferred) move of its allocations is complete.
+  virtual void settle() = 0;
   virtual scheduler_statistics stats() const = 0;
 };
 
@@ -168,6 +170,7 @@ class scheduled_workload_of final : public scheduled_workload {
   }
   void iteration_begin() override { scheduler_->iteration_begin(); }
   void idle() override { scheduler_->idle(); }
+  void settle() override { scheduler_->settle(); }
   scheduler_statistics stats() const override { return scheduler_->stats(); }
 
  private:

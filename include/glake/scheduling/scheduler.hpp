@@ -278,6 +278,18 @@ class workload_scheduler final : public budget_member {
     budget_.changed();
   }
 
+  /// Completes every pending (deferred) move of the memory it manages, waiting for the copies:
+  /// before work that uses managed memory without will_use. Nothing for memory whose moves
+  /// complete on return.
+  void settle() {
+    if constexpr (deferring_tiered_memory<Memory>) {
+      std::lock_guard lock(mutex_);
+      for (slot& s : slots_) {
+        if (s.alive) s.memory->settle();
+      }
+    }
+  }
+
   /// Where the scheduler keeps `id` now: device or host.
   residence residence_of(allocation_id id) const {
     std::lock_guard lock(mutex_);

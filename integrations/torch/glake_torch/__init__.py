@@ -189,10 +189,6 @@ def load(library=None):
         lib.glake_scheduler_create.restype = ctypes.c_void_p
         lib.glake_scheduler_create.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_char_p,
                                                ctypes.c_void_p]
-    if hasattr(lib, "glake_scheduler_create_with"):  # with the choice of deferred moves
-        lib.glake_scheduler_create_with.restype = ctypes.c_void_p
-        lib.glake_scheduler_create_with.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_char_p,
-                                                    ctypes.c_void_p, ctypes.c_int]
         for name in ("glake_scheduler_destroy", "glake_scheduler_iteration_begin", "glake_scheduler_idle"):
             getattr(lib, name).restype = ctypes.c_int
             getattr(lib, name).argtypes = [ctypes.c_void_p]
@@ -206,6 +202,12 @@ def load(library=None):
         lib.glake_scheduler_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
         lib.glake_scheduler_stats_names.restype = ctypes.c_char_p
         lib.glake_scheduler_stats_names.argtypes = []
+    if hasattr(lib, "glake_scheduler_create_with"):  # with the choice of deferred moves
+        lib.glake_scheduler_create_with.restype = ctypes.c_void_p
+        lib.glake_scheduler_create_with.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_char_p,
+                                                    ctypes.c_void_p, ctypes.c_int]
+        lib.glake_scheduler_settle.restype = ctypes.c_int
+        lib.glake_scheduler_settle.argtypes = [ctypes.c_void_p]
     if hasattr(lib, "glake_shared_create"):  # libraries built before shared weights lack them
         lib.glake_shared_create.restype = ctypes.c_void_p
         lib.glake_shared_create.argtypes = [ctypes.c_size_t, ctypes.c_int]
@@ -1012,7 +1014,10 @@ class Scheduler:
     `moves`: "wait" (each move returns once the memory moved: the thread waits for the device) or
     "deferred" (a move queues its copies and returns; the memory is remapped once they are done,
     and will_use settles what it names before returning: the thread waits only for the moves of
-    what the next operation uses)."""
+    what the next operation uses). With "deferred", a managed tensor must not be used by work
+    that will_use did not announce while its move is pending (a remap under a running kernel
+    faults): call settle() first, e.g. before optimizer.step(); attach's hooks announce the
+    forward and backward uses."""
 
     MOVES = ("wait", "deferred")
 
@@ -1085,6 +1090,13 @@ class Scheduler:
 
     def idle(self):
         _raise_for(self._lib.glake_scheduler_idle(self._handle), self._lib, "idle")
+
+    def settle(self):
+        """Completes every pending move of the managed tensors (moves="deferred"), waiting for their
+        copies: call it before work that uses managed tensors without will_use, such as
+        optimizer.step() over all parameters. Nothing to do with moves="wait"."""
+        if self.moves == "deferred":
+            _raise_for(self._lib.glake_scheduler_settle(self._handle), self._lib, "settle")
 
     def stats(self):
         names = self._lib.glake_scheduler_stats_names().decode().split(",")

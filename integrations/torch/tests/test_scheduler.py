@@ -80,6 +80,7 @@ class SchedulerTest(unittest.TestCase):
                     self.assertEqual(glake_torch.residence(p), "device")
                 self.assertLessEqual(self.on_device(blocks), 24 * MiB)
         self.assertGreater(s.stats()["offloads"], 0)
+        s.settle()  # nothing pending is left (here: nothing ever is)
         s.close()
         with self.assertRaisesRegex(ValueError, "moves must be one of"):
             glake_torch.Scheduler(24 * MiB, device=0, moves="later")
