@@ -56,21 +56,15 @@ class plugin_block {
     if (!r) throw usage_error(usage_error::kind::foreign_pointer, "the allocation is not live any more");
     return *r;
   }
-  void offload(std::size_t offset, std::size_t bytes, stream_ref stream) {
-    check("offload", offset, bytes);
-    plugin_->offload(data_, stream);
-  }
-  void prefetch(std::size_t offset, std::size_t bytes, stream_ref stream) {
-    check("prefetch", offset, bytes);
-    plugin_->prefetch(data_, stream);
-  }
   // Deferred moves (deferring_tiered_memory): the allocator remaps once the copies are done;
   // settle() completes the move before the block is used.
-  void offload(std::size_t offset, std::size_t bytes, stream_ref stream, move_completion when) {
+  void offload(std::size_t offset, std::size_t bytes, stream_ref stream,
+               move_completion when = move_completion::on_return) {
     check("offload", offset, bytes);
     plugin_->offload(data_, stream, when);
   }
-  void prefetch(std::size_t offset, std::size_t bytes, stream_ref stream, move_completion when) {
+  void prefetch(std::size_t offset, std::size_t bytes, stream_ref stream,
+                move_completion when = move_completion::on_return) {
     check("prefetch", offset, bytes);
     plugin_->prefetch(data_, stream, when);
   }

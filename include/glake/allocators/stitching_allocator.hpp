@@ -1096,11 +1096,8 @@ class stitching_allocator {
       return;
     }
     detail::move_outcome r = move_sites(sites, to_far, true, stream);
-    if (r == detail::move_outcome::out_of_memory && !to_far) {
-      // Device memory this allocator caches makes room for the memory coming back.
-      evict_stitches(~std::size_t{0}, true);
-      small_.release_free_segments(~std::size_t{0});
-      if (release_free_segments(bytes) > 0) r = move_sites(sites, to_far, true, stream);
+    if (r == detail::move_outcome::out_of_memory && !to_far && make_room_for_move(bytes)) {
+      r = move_sites(sites, to_far, true, stream);
     }
     if (r == detail::move_outcome::out_of_memory) throw_move_out_of_memory(where, p, bytes, to_far);
     if (to_far) {
@@ -1136,11 +1133,8 @@ class stitching_allocator {
       };
       auto move = std::make_unique<move_type>(pool_.backend(), *far_, std::span<const site_type>(sites), to_far);
       detail::move_outcome r = move->start(true, stream, wait_copies);
-      if (r == detail::move_outcome::out_of_memory && !to_far) {
-        // Device memory this allocator caches makes room for the memory coming back.
-        evict_stitches(~std::size_t{0}, true);
-        small_.release_free_segments(~std::size_t{0});
-        if (release_free_segments(bytes) > 0) r = move->start(true, stream, wait_copies);
+      if (r == detail::move_outcome::out_of_memory && !to_far && make_room_for_move(bytes)) {
+        r = move->start(true, stream, wait_copies);
       }
       if (r == detail::move_outcome::out_of_memory) throw_move_out_of_memory(where, p, bytes, to_far);
       const auto address = reinterpret_cast<std::uintptr_t>(p);
@@ -1221,6 +1215,13 @@ class stitching_allocator {
     pending_.erase(it);
   }
 
+  // Device memory this allocator caches makes room for `bytes` coming back; whether any went.
+  bool make_room_for_move(std::size_t bytes) {
+    evict_stitches(~std::size_t{0}, true);
+    small_.release_free_segments(~std::size_t{0});
+    return release_free_segments(bytes) > 0;
+  }
+
   [[noreturn]] void throw_move_out_of_memory(const std::string& where, void* p, std::size_t bytes, bool to_far) {
     throw out_of_memory(bytes, counters_.s.reserved_bytes, counters_.s.active_bytes,
                         where + "moving " + format_bytes(bytes) + " of " + detail::pointer_text(p) + " " +
@@ -1253,10 +1254,8 @@ class stitching_allocator {
     detail::move_outcome r = detail::move_outcome::out_of_memory;
     try {
       r = move_sites(m.sites, false, false, stream);
-      if (r == detail::move_outcome::out_of_memory && !retain_) {
-        evict_stitches(~std::size_t{0}, true);
-        small_.release_free_segments(~std::size_t{0});
-        if (release_free_segments(m.bytes) > 0) r = move_sites(m.sites, false, false, stream);
+      if (r == detail::move_outcome::out_of_memory && !retain_ && make_room_for_move(m.bytes)) {
+        r = move_sites(m.sites, false, false, stream);
       }
     } catch (...) {
       r = detail::move_outcome::out_of_memory;  // a free does not fail: park it

@@ -39,20 +39,25 @@ class SchedulerTest(unittest.TestCase):
     def on_device(self, blocks):
         return sum(n for p, n in blocks if glake_torch.residence(p) == "device")
 
+    def sweep(self, s, blocks, iterations, stride, budget):
+        """Iterations of operations each using block k and block k + stride: every use finds its
+        blocks on the device, and the device never holds more of them than the budget."""
+        for _ in range(iterations):
+            s.iteration_begin()
+            for k in range(len(blocks)):
+                use = [blocks[k], blocks[(k + stride) % len(blocks)]]
+                s.will_use(use)
+                for p, _ in use:
+                    self.assertEqual(glake_torch.residence(p), "device")
+                self.assertLessEqual(self.on_device(blocks), budget)
+
     def test_blocks_stay_within_the_budget_and_each_use_finds_its_blocks_on_the_device(self):
         blocks = [self.block(8 * MiB) for _ in range(6)]  # 48 MiB under a 24 MiB budget
         s = glake_torch.Scheduler(24 * MiB, device=0, name="sweep")
         for b in blocks:
             self.assertTrue(s.manage(b))
         self.assertLessEqual(self.on_device(blocks), 24 * MiB)
-        for _ in range(4):
-            s.iteration_begin()
-            for k in range(len(blocks)):
-                use = [blocks[k], blocks[(k + 1) % len(blocks)]]
-                s.will_use(use)
-                for p, _ in use:
-                    self.assertEqual(glake_torch.residence(p), "device")
-                self.assertLessEqual(self.on_device(blocks), 24 * MiB)
+        self.sweep(s, blocks, iterations=4, stride=1, budget=24 * MiB)
         stats = s.stats()
         self.assertEqual(stats["operations"], 24)
         self.assertEqual(stats["managed_bytes"], 48 * MiB)
@@ -71,14 +76,7 @@ class SchedulerTest(unittest.TestCase):
         self.assertEqual(s.moves, "deferred")
         for b in blocks:
             s.manage(b)
-        for _ in range(3):
-            s.iteration_begin()
-            for k in range(len(blocks)):
-                use = [blocks[k], blocks[(k + 2) % len(blocks)]]
-                s.will_use(use)
-                for p, _ in use:
-                    self.assertEqual(glake_torch.residence(p), "device")
-                self.assertLessEqual(self.on_device(blocks), 24 * MiB)
+        self.sweep(s, blocks, iterations=3, stride=2, budget=24 * MiB)
         self.assertGreater(s.stats()["offloads"], 0)
         s.settle()  # nothing pending is left (here: nothing ever is)
         s.close()
