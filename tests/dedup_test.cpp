@@ -28,6 +28,7 @@
 #include <iterator>
 #include <sstream>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -964,13 +965,20 @@ TEST_CASE("dedup: a client that cannot export a piece keeps it private and says 
 #ifdef GLAKE_DEDUP_EXECUTABLE
 // The processes whose command line names `text` and glake-dedup: the brokers of one socket, and
 // any still starting (the shell that starts one, a broker about to find the path taken).
+// A process that exits while it is read is skipped: its cmdline reads fail (ESRCH), which a
+// stream would throw from.
 std::vector<pid_t> processes_naming(const std::string& text) {
   std::vector<pid_t> found;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc", error)) {
     const std::string name = entry.path().filename().string();
     if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream cmdline(entry.path() / "cmdline");
-    std::string line((std::istreambuf_iterator<char>(cmdline)), std::istreambuf_iterator<char>());
+    const int fd = ::open((entry.path() / "cmdline").c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    std::string line;
+    char buffer[4096];
+    for (ssize_t n; (n = ::read(fd, buffer, sizeof buffer)) > 0;) line.append(buffer, static_cast<std::size_t>(n));
+    ::close(fd);
     if (line.find(text) != std::string::npos && line.find("glake-dedup") != std::string::npos) {
       found.push_back(static_cast<pid_t>(std::stol(name)));
     }
