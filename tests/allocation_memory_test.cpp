@@ -213,3 +213,66 @@ TEST_CASE("allocation_memory: a scheduler with deferred moves never waits on its
   a.verify();
   CHECK(gpu.violations() == 0);
 }
+
+TEST_CASE("allocation_memory: a scheduler's copy streams wait for its stream by events, one per move") {
+  using joining_alloc = stitching_allocator<sim_provider, testing::joining_reserver>;
+  using memory = allocation_memory<joining_alloc>;
+  static_assert(deferring_tiered_memory<memory>);
+  sim_device gpu(256 * M, 2 * M, 256 * M);
+  testing::event_log log;
+  joining_alloc a{sim_provider(gpu), testing::joining_reserver(gpu, log)};
+  a.attach_far_memory(sim_host_provider(gpu), sim_copier(gpu));
+  const stream_ref work{std::uintptr_t{1}}, out{std::uintptr_t{2}}, in{std::uintptr_t{3}};
+  std::vector<void*> blocks;
+  std::vector<std::unique_ptr<memory>> memories;
+  for (int i = 0; i < 6; ++i) {
+    blocks.push_back(a.allocate(12 * M, work));
+    memories.push_back(std::make_unique<memory>(a, blocks.back(), 12 * M));
+  }
+  {
+    shared_budget budget(36 * M);
+    step_clock clock;
+    scheduler_options options;
+    options.stream = work;
+    options.moves = move_completion::deferred;
+    options.offload_copies = out;
+    options.prefetch_copies = in;
+    workload_scheduler<memory, lru_policy, step_clock> w(budget, "tensors", lru_policy{}, options, clock);
+    std::vector<allocation_id> ids;
+    for (auto& m : memories) ids.push_back(w.manage(*m));
+    for (int iteration = 0; iteration < 2; ++iteration) {
+      w.iteration_begin();
+      for (std::size_t k = 0; k < ids.size(); ++k) {
+        w.will_use(ids[k]);
+        CHECK(a.residence_of(blocks[k]) == residence::device);
+        CHECK(a.movable_bytes(blocks[k]) > 0);  // settled: no move of it is pending
+        CHECK(budget.used() <= 36 * M);
+        for (stream_ref s : {work, out, in}) log.complete(s);
+        clock.ns->fetch_add(100'000);
+      }
+    }
+    const scheduler_statistics stats = w.stats();
+    std::size_t offload_joins = 0, prefetch_joins = 0;
+    for (const auto& [waiting, on] : log.joins) {
+      CHECK(on == work);  // every copy waits for the work queued before its move
+      offload_joins += waiting == out ? 1 : 0;
+      prefetch_joins += waiting == in ? 1 : 0;
+    }
+    // A prefetch of a block whose offload is still pending undoes it, with no copy to order.
+    CHECK(offload_joins <= stats.offloads);
+    CHECK(offload_joins > 0);
+    CHECK(prefetch_joins > 0);
+    CHECK(prefetch_joins * 12 * M <= stats.prefetched_bytes);
+    CHECK(offload_joins + prefetch_joins == log.joins.size());
+    w.settle();
+    CHECK(a.complete_moves(true) == 0);
+    w.idle();
+    for (allocation_id id : ids) w.unmanage(id);
+  }
+  for (void* p : blocks) {
+    if (a.residence_of(p) == residence::host) a.prefetch(p, work);
+    a.deallocate(p, 12 * M, work);
+  }
+  a.verify();
+  CHECK(gpu.violations() == 0);
+}

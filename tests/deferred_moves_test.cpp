@@ -241,3 +241,61 @@ TEST_CASE("deferred moves: out of far or device memory is refused at the call, w
   a.verify();
   CHECK(gpu.violations() == 0);
 }
+
+TEST_CASE("deferred moves: copies on a stream of their own wait for the move's stream by an event, not on the host") {
+  sim_device gpu(256 * M, 2 * M, 256 * M);
+  testing::event_log log;
+  stitching_allocator<sim_provider, testing::joining_reserver> a{sim_provider(gpu), testing::joining_reserver(gpu, log)};
+  static_assert(deferring_offloading_allocator<decltype(a)>);
+  a.attach_far_memory(sim_host_provider(gpu), sim_copier(gpu));
+  const stream_ref copies{std::uintptr_t{7}};
+  void* p = a.allocate(32 * M, own);
+  const std::size_t waits = log.waited, syncs = log.device_synchronized;
+
+  a.offload(p, own, deferred, copies);
+  REQUIRE(log.joins.size() == 1);
+  CHECK(log.joins[0] == std::pair{copies, own});  // the copy stream waits for the uses queued on own
+  CHECK(log.waited == waits);
+  CHECK(log.device_synchronized == syncs);
+  log.complete(own);  // the uses are done, the copies are not
+  CHECK(a.complete_moves(false) == 0);
+  CHECK(a.stats().offloaded_bytes == 0);
+  log.complete(copies);
+  CHECK(a.complete_moves(false) == 1);
+  CHECK(a.stats().offloaded_bytes == 32 * M);
+  a.verify();
+
+  a.prefetch(p, own, deferred, copies);
+  CHECK(log.joins.size() == 2);
+  log.complete(own);
+  CHECK(a.complete_moves(false) == 0);  // its copies are on the copy stream
+  a.complete_move(p);                   // waits for them
+  CHECK(a.residence_of(p) == residence::device);
+  CHECK(a.stats().offloaded_bytes == 0);
+
+  // Completing on return, the host has waited for the uses: no event wait is needed.
+  a.offload(p, own, move_completion::on_return, copies);
+  CHECK(log.joins.size() == 2);
+  CHECK(a.stats().offloaded_bytes == 32 * M);
+  a.prefetch(p, own, move_completion::on_return, copies);
+  a.deallocate(p, 32 * M, own);
+  a.verify();
+  a.release_cached();
+  CHECK(gpu.physical_bytes() == 0);
+  CHECK(gpu.violations() == 0);
+}
+
+TEST_CASE("deferred moves: a copy stream of its own is refused by a reserver whose streams cannot wait for events") {
+  setup s;
+  void* p = s.a.allocate(32 * M, own);
+  const stream_ref copies{std::uintptr_t{7}};
+  CHECK_THROWS_AS(s.a.offload(p, own, deferred, copies), usage_error);
+  CHECK(s.a.residence_of(p) == residence::device);
+  CHECK(s.a.complete_moves(true) == 0);
+  s.a.offload(p, own, deferred, own);  // the same stream is what the three-argument call does
+  s.a.complete_move(p);
+  CHECK(s.a.residence_of(p) == residence::host);
+  s.a.deallocate(p, 32 * M, own);
+  s.a.verify();
+  CHECK(s.gpu.violations() == 0);
+}

@@ -92,6 +92,13 @@ std::unique_ptr<movable_buffer> make_movable(std::size_t bytes, int device) {
 
 std::size_t device_total_bytes(int) { return simulated_device_bytes; }
 
+// A scheduler's copy streams: numbers on the simulated devices, whose moves complete on return.
+std::shared_ptr<void> make_copy_streams(int, stream_ref& offloads, stream_ref& prefetches) {
+  offloads = stream_ref{std::uintptr_t{0x6c616b65}};
+  prefetches = stream_ref{std::uintptr_t{0x6c616b66}};
+  return nullptr;
+}
+
 // Shared weights (glake_shared_create): the simulated devices have no bytes to share, so host
 // memory stands in for device memory, shared through memfds as the host backend of the dedup
 // client does; 2 MiB pieces, as on a GPU.
@@ -246,6 +253,29 @@ std::size_t device_total_bytes(int device) {
     return 0;
   }
   return total;
+}
+
+// A scheduler's copy streams on `device`: two non-blocking streams (offloads and prefetches use
+// the device's two copy directions at once), destroyed with the scheduler. Work still queued
+// there completes after cuStreamDestroy; the allocator waits for the copies by their events.
+std::shared_ptr<void> make_copy_streams(int device, stream_ref& offloads, stream_ref& prefetches) {
+  struct streams {
+    int device;
+    CUstream out = nullptr;
+    CUstream in = nullptr;
+    ~streams() {
+      const cuda_device_scope scope(device);
+      if (out != nullptr) (void)cuStreamDestroy(out);
+      if (in != nullptr) (void)cuStreamDestroy(in);
+    }
+  };
+  auto made = std::make_shared<streams>(streams{device});
+  const cuda_device_scope scope(device);
+  detail::cuda_check(cuStreamCreate(&made->out, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+  detail::cuda_check(cuStreamCreate(&made->in, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+  offloads = stream_ref{made->out};
+  prefetches = stream_ref{made->in};
+  return made;
 }
 
 #endif
@@ -904,13 +934,25 @@ static_assert(deferring_tiered_memory<torch_plugin::plugin_block<plugin_type>>);
 extern "C" {
 
 GLAKE_TORCH_API void* glake_scheduler_create_with(int device, size_t budget_bytes, const char* socket,
-                                                  const char* name, CUstream_st* stream, int deferred_moves) {
+                                                  const char* name, CUstream_st* stream, int moves) {
   torch_plugin::scheduled_workload* made = nullptr;
   movable_call("creating a scheduler", nullptr, [&] {
     if (budget_bytes == 0) throw usage_error(usage_error::kind::bad_argument, "a budget of 0 bytes");
+    if (moves < 0 || moves > 2) {
+      throw usage_error(usage_error::kind::bad_argument,
+                        "moves must be 0 (wait), 1 (deferred) or 2 (deferred, on copy streams), not " +
+                            std::to_string(moves));
+    }
     scheduler_options options;
     options.stream = stream_ref{stream};
-    options.moves = deferred_moves != 0 ? move_completion::deferred : move_completion::on_return;
+    options.moves = moves != 0 ? move_completion::deferred : move_completion::on_return;
+    std::shared_ptr<void> streams;
+    if (moves == 2) {
+      stream_ref out, in;
+      streams = make_copy_streams(device, out, in);
+      options.offload_copies = out;
+      options.prefetch_copies = in;
+    }
     std::string workload = name != nullptr && *name != '\0' ? name : "pid " + std::to_string(::getpid());
     workload += " on device " + std::to_string(device);
     std::unique_ptr<torch_plugin::scheduled_workload> w;
@@ -921,6 +963,7 @@ GLAKE_TORCH_API void* glake_scheduler_create_with(int device, size_t budget_byte
       w = std::make_unique<torch_plugin::scheduled_workload_of<plugin_type, shared_budget>>(
           plugin(), std::move(workload), options, budget_bytes);
     }
+    w->resources = std::move(streams);
     std::lock_guard guard(schedulers_mutex());
     schedulers().insert(w.get());
     made = w.release();

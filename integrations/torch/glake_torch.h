@@ -154,6 +154,14 @@ GLAKE_TORCH_API int glake_shared_destroy(void* ptr);
  * names the workload in errors (null: the process id). Returns a handle, or null (glake_last_error). */
 GLAKE_TORCH_API void* glake_scheduler_create(int device, size_t budget_bytes, const char* socket, const char* name,
                                              struct CUstream_st* stream);
+/* The same with a choice of moves: 0 as glake_scheduler_create (each move waits for the device);
+ * 1 deferred (a move queues its copies on `stream` and returns; the memory is remapped once they
+ * are done; will_use settles what it names); 2 deferred with the copies on two streams of the
+ * scheduler's own (offloads, prefetches), after the work queued on `stream`, so that transfers
+ * overlap the work queued after them. With 1 or 2, managed memory that work uses without
+ * will_use must be settled first (glake_scheduler_settle). */
+GLAKE_TORCH_API void* glake_scheduler_create_with(int device, size_t budget_bytes, const char* socket,
+                                                  const char* name, struct CUstream_st* stream, int moves);
 GLAKE_TORCH_API int glake_scheduler_destroy(void* scheduler);
 
 /* Manages the live allocation starting at `ptr` (`bytes` long, as the tensor's storage says);
@@ -171,6 +179,10 @@ GLAKE_TORCH_API int glake_scheduler_will_use(void* scheduler, void* const* ptrs,
  * operation runs, everything may move. */
 GLAKE_TORCH_API int glake_scheduler_iteration_begin(void* scheduler);
 GLAKE_TORCH_API int glake_scheduler_idle(void* scheduler);
+
+/* Completes every pending (deferred) move of the managed allocations, waiting for their copies:
+ * before work that uses them unannounced (an optimizer step over all parameters). */
+GLAKE_TORCH_API int glake_scheduler_settle(void* scheduler);
 
 /* Writes up to `capacity` of the values glake_scheduler_stats_names lists (comma-separated);
  * returns how many there are, 0 for a bad handle. */

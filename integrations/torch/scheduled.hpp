@@ -58,15 +58,22 @@ class plugin_block {
   }
   // Deferred moves (deferring_tiered_memory): the allocator remaps once the copies are done;
   // settle() completes the move before the block is used.
+  // With `copies`, the copies run there after the work queued on `stream`.
   void offload(std::size_t offset, std::size_t bytes, stream_ref stream,
                move_completion when = move_completion::on_return) {
-    check("offload", offset, bytes);
-    plugin_->offload(data_, stream, when);
+    offload(offset, bytes, stream, when, stream);
   }
   void prefetch(std::size_t offset, std::size_t bytes, stream_ref stream,
                 move_completion when = move_completion::on_return) {
+    prefetch(offset, bytes, stream, when, stream);
+  }
+  void offload(std::size_t offset, std::size_t bytes, stream_ref stream, move_completion when, stream_ref copies) {
+    check("offload", offset, bytes);
+    plugin_->offload(data_, stream, when, copies);
+  }
+  void prefetch(std::size_t offset, std::size_t bytes, stream_ref stream, move_completion when, stream_ref copies) {
     check("prefetch", offset, bytes);
-    plugin_->prefetch(data_, stream, when);
+    plugin_->prefetch(data_, stream, when, copies);
   }
   void settle() { plugin_->complete_move(data_); }
   void record_stream(stream_ref stream) noexcept { plugin_->record_stream(data_, stream); }
@@ -97,6 +104,10 @@ class scheduled_workload {
   /// Every pending (deferred) move of its allocations is complete.
   virtual void settle() = 0;
   virtual scheduler_statistics stats() const = 0;
+
+  /// What must outlive the scheduler, such as the copy streams its options name; released after
+  /// it (a base member outlives the derived one's scheduler).
+  std::shared_ptr<void> resources;
 };
 
 /// The names of the values glake_scheduler_stats writes, in order.

@@ -429,3 +429,40 @@ TEST_CASE("gpu: the stitching allocator offloads a block and a stitched block to
   allocator.deallocate(plain, 256 * M);
   allocator.verify();
 }
+
+TEST_CASE("gpu: deferred moves with copies on a stream of their own start after the work queued before them") {
+  REQUIRE(cudaFree(nullptr) == cudaSuccess);
+  cuda_stitching allocator(cuda_provider(0), cuda_reserver(0));
+  allocator.attach_far_memory(cuda_host_provider(0), cuda_copier{});
+  cudaStream_t work = nullptr, copies = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&work, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaStreamCreateWithFlags(&copies, cudaStreamNonBlocking) == cudaSuccess);
+  const stream_ref w{work}, c{copies};
+  void* p = allocator.allocate(256 * M, w);
+  REQUIRE(cudaStreamSynchronize(work) == cudaSuccess);
+  const std::size_t free_before = device_free_bytes();
+
+  // The bytes are written by a kernel queued behind a long one; the copies must wait for both.
+  REQUIRE(gpu_test::spin(200'000'000, work) == cudaSuccess);
+  REQUIRE(gpu_test::fill(p, 256 * M, 81, work) == cudaSuccess);
+  allocator.offload(p, w, move_completion::deferred, c);
+  CHECK(cudaStreamQuery(work) == cudaErrorNotReady);  // the call did not wait for the stream
+  allocator.complete_move(p);
+  CHECK(allocator.residence_of(p) == residence::host);
+  CHECK(device_free_bytes() >= free_before + 250 * M);
+  CHECK(mismatches(p, 256 * M, 81) == 0);  // what the kernel wrote, now in host memory
+
+  REQUIRE(gpu_test::spin(200'000'000, work) == cudaSuccess);
+  REQUIRE(gpu_test::fill(p, 256 * M, 82, work) == cudaSuccess);  // written over the bus
+  allocator.prefetch(p, w, move_completion::deferred, c);
+  CHECK(cudaStreamQuery(work) == cudaErrorNotReady);
+  allocator.complete_move(p);
+  CHECK(allocator.residence_of(p) == residence::device);
+  CHECK(allocator.stats().offloaded_bytes == 0);
+  CHECK(mismatches(p, 256 * M, 82) == 0);
+  allocator.verify();
+  allocator.deallocate(p, 256 * M, w);
+  REQUIRE(cudaStreamSynchronize(work) == cudaSuccess);
+  REQUIRE(cudaStreamDestroy(work) == cudaSuccess);
+  REQUIRE(cudaStreamDestroy(copies) == cudaSuccess);
+}

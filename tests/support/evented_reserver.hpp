@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <utility>
+#include <vector>
 
 #include "glake/backends/concepts.hpp"
 #include "glake/backends/sim.hpp"
@@ -23,6 +24,7 @@ struct event_log {
   std::size_t recycled = 0;
   std::size_t queried = 0;
   bool fail_queries = false;  // event_done throws, as a CUDA error would
+  std::vector<std::pair<stream_ref, stream_ref>> joins;  // (waiting stream, stream of the event)
 
   void complete(stream_ref stream) {
     for (auto& [id, e] : events) {
@@ -60,6 +62,21 @@ class evented_reserver : public sim_reserver {
   event_log* log_;
 };
 static_assert(stream_ordered_reserver<evented_reserver>);
+static_assert(!stream_joining_reserver<evented_reserver>);
 static_assert(!stream_ordered_reserver<sim_reserver>);
+
+// The same whose streams wait for events: a stream_joining_reserver. The log records each wait;
+// the test completes streams in the order the waits imply.
+class joining_reserver : public evented_reserver {
+ public:
+  joining_reserver(sim_device& device, event_log& log) : evented_reserver(device, log), log_(&log) {}
+  void stream_wait_event(stream_ref stream, event_type e) {
+    log_->joins.emplace_back(stream, log_->events.at(e).first);
+  }
+
+ private:
+  event_log* log_;
+};
+static_assert(stream_joining_reserver<joining_reserver>);
 
 }  // namespace glake::testing

@@ -509,16 +509,28 @@ class pluggable_allocator {
   /// throw, and usage_error for a pointer no device's allocator holds live, or one in a private
   /// pool (a CUDA graph's memory, whose mappings must not change).
   /// With move_completion::deferred (a deferring_offloading_allocator), as the allocator's: the
-  /// remap comes once the copies are done; complete_move(p) finishes it before p is used.
+  /// remap comes once the copies are done; complete_move(p) finishes it before p is used. With
+  /// `copies`, the copies run on that stream after the work queued on `stream` (the allocator's
+  /// four-argument moves).
   void offload(void* p, stream_ref stream, move_completion when = move_completion::on_return)
     requires offloading_allocator<Allocator>
   {
-    move_allocation(p, stream, true, when);
+    move_allocation(p, stream, true, when, stream);
   }
   void prefetch(void* p, stream_ref stream, move_completion when = move_completion::on_return)
     requires offloading_allocator<Allocator>
   {
-    move_allocation(p, stream, false, when);
+    move_allocation(p, stream, false, when, stream);
+  }
+  void offload(void* p, stream_ref stream, move_completion when, stream_ref copies)
+    requires deferring_offloading_allocator<Allocator>
+  {
+    move_allocation(p, stream, true, when, copies);
+  }
+  void prefetch(void* p, stream_ref stream, move_completion when, stream_ref copies)
+    requires deferring_offloading_allocator<Allocator>
+  {
+    move_allocation(p, stream, false, when, copies);
   }
   /// Completes the deferred move of the allocation at `p` (the allocator's complete_move),
   /// waiting for its copies; nothing for a pointer no device's allocator holds live.
@@ -834,7 +846,7 @@ class pluggable_allocator {
   }
 
  private:
-  void move_allocation(void* p, stream_ref stream, bool to_far, move_completion when) {
+  void move_allocation(void* p, stream_ref stream, bool to_far, move_completion when, stream_ref copies) {
     bool found = false;
     registry_.for_each([&](int device, slot& s) {
       if (found) return;
@@ -852,12 +864,13 @@ class pluggable_allocator {
       DeviceScope scope(device);
       if constexpr (deferring_offloading_allocator<Allocator>) {
         if (to_far) {
-          s.allocator->offload(p, stream, when);
+          s.allocator->offload(p, stream, when, copies);
         } else {
-          s.allocator->prefetch(p, stream, when);
+          s.allocator->prefetch(p, stream, when, copies);
         }
       } else {
         (void)when;  // completes on return
+        (void)copies;
         if (to_far) {
           s.allocator->offload(p, stream);
         } else {

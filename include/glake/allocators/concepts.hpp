@@ -177,6 +177,10 @@ concept offloading_allocator =
 // |                        |             |                     | and the call returns; p's memory moves
 // |                        |             |                     | once they completed
 // | a.prefetch(p, s, when) | void        | as prefetch         | likewise
+// | a.offload(p, s, when,  | void        | as offload          | the copies queued on c, after the
+// |           c)           |             |                     | work queued on s
+// | a.prefetch(p, s, when, | void        | as prefetch         | likewise
+// |            c)          |             |                     |
 // | a.complete_move(p)     | void        | driver errors       | p's deferred move, if any, is complete
 // |                        |             |                     | (waits for its copies)
 // | a.complete_moves(wait) | std::size_t | no                  | completes the deferred moves whose
@@ -187,6 +191,8 @@ concept deferring_offloading_allocator =
     offloading_allocator<A> && requires(A& a, void* p, const void* cp, stream_ref stream, move_completion when, bool wait) {
       { a.offload(p, stream, when) } -> std::same_as<void>;
       { a.prefetch(p, stream, when) } -> std::same_as<void>;
+      { a.offload(p, stream, when, stream) } -> std::same_as<void>;
+      { a.prefetch(p, stream, when, stream) } -> std::same_as<void>;
       { a.complete_move(cp) } -> std::same_as<void>;
       { a.complete_moves(wait) } -> std::same_as<std::size_t>;
     };

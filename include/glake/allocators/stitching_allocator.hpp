@@ -372,7 +372,17 @@ class stitching_allocator {
   /// where it was; residence_of says so.
   void offload(void* p, stream_ref stream = default_stream, move_completion when = move_completion::on_return) {
     std::lock_guard guard(lock_);
-    move_locked("offload", p, stream, true, when);
+    move_locked("offload", p, stream, true, when, stream);
+  }
+
+  /// As above, the copies queued on `copies` instead of `stream`: they start once the work
+  /// queued on `stream` has completed (an event wait, stream_joining_reserver: the host does
+  /// not wait) and run beside the work queued there afterwards. A deferred move completes once
+  /// they are done, as above. usage_error when `copies` is not `stream` and the reserver has
+  /// events but no stream_joining_reserver, or when either stream is capturing a graph.
+  void offload(void* p, stream_ref stream, move_completion when, stream_ref copies) {
+    std::lock_guard guard(lock_);
+    move_locked("offload", p, stream, true, when, copies);
   }
 
   /// Brings an offloaded allocation's memory back to the device (the reverse of offload, new
@@ -382,7 +392,13 @@ class stitching_allocator {
   /// uses it is queued); offload(p) undoes a pending prefetch.
   void prefetch(void* p, stream_ref stream = default_stream, move_completion when = move_completion::on_return) {
     std::lock_guard guard(lock_);
-    move_locked("prefetch", p, stream, false, when);
+    move_locked("prefetch", p, stream, false, when, stream);
+  }
+
+  /// As above, the copies queued on `copies` after the work queued on `stream` (see offload).
+  void prefetch(void* p, stream_ref stream, move_completion when, stream_ref copies) {
+    std::lock_guard guard(lock_);
+    move_locked("prefetch", p, stream, false, when, copies);
   }
 
   /// Completes the deferred move of the allocation at `p`, waiting for its copies; nothing when
@@ -1011,10 +1027,18 @@ class stitching_allocator {
     return detail::move_handles(pool_.backend(), *far_, sites, to_far, copy, stream, wait_copies);
   }
 
-  void move_locked(const char* what, void* p, stream_ref stream, bool to_far, move_completion when) {
+  void move_locked(const char* what, void* p, stream_ref stream, bool to_far, move_completion when,
+                   stream_ref copies) {
     const auto address = reinterpret_cast<std::uintptr_t>(p);
     const std::string where = std::string(name) + "::" + what + ": ";
     if (!far_) throw usage_error(usage_error::kind::bad_argument, where + "no far memory is attached (attach_far_memory)");
+    if constexpr (has_events && !stream_joining_reserver<Reserver>) {
+      if (copies != stream) {
+        throw usage_error(usage_error::kind::bad_argument,
+                          where + "copies on a stream of their own need a reserver whose streams wait for events "
+                                  "(stream_joining_reserver)");
+      }
+    }
     if constexpr (has_events) {
       if (!pending_.empty()) {
         if (auto pit = pending_.find(address); pit != pending_.end()) {
@@ -1053,6 +1077,7 @@ class stitching_allocator {
                                 "change");
     }
     refuse_capture(where, stream, a.stream);
+    if (copies != stream) refuse_capture(where, copies, copies);
     std::vector<site_type> sites;
     std::vector<segment*> homes;
     if (to_far) {
@@ -1092,12 +1117,13 @@ class stitching_allocator {
       }
     }
     if (deferred) {
-      start_deferred(where, p, sites, bytes, to_far, stream);
+      start_deferred(where, p, sites, bytes, to_far, stream, copies);
       return;
     }
-    detail::move_outcome r = move_sites(sites, to_far, true, stream);
+    // Every use has completed (waited for above): the copies may go on any stream.
+    detail::move_outcome r = move_sites(sites, to_far, true, copies);
     if (r == detail::move_outcome::out_of_memory && !to_far && make_room_for_move(bytes)) {
-      r = move_sites(sites, to_far, true, stream);
+      r = move_sites(sites, to_far, true, copies);
     }
     if (r == detail::move_outcome::out_of_memory) throw_move_out_of_memory(where, p, bytes, to_far);
     if (to_far) {
@@ -1122,20 +1148,34 @@ class stitching_allocator {
 
   // Queues the copies of a deferred move and records it; completes it at once when the copies
   // are done already. Out of memory for the new handles: out_of_memory, nothing changed.
+  // With `copies` other than `stream`, the copies wait there for the work queued on `stream`.
   void start_deferred(const std::string& where, void* p, const std::vector<site_type>& sites, std::size_t bytes,
-                      bool to_far, stream_ref stream) {
+                      bool to_far, stream_ref stream, [[maybe_unused]] stream_ref copies) {
     if constexpr (has_events) {
       auto& events = clocks_.events();
       const auto wait_copies = [&] {
-        const auto e = events.record(stream);
+        const auto e = events.record(copies);
         events.wait(e);
         events.recycle(e);
       };
       auto move = std::make_unique<move_type>(pool_.backend(), *far_, std::span<const site_type>(sites), to_far);
-      detail::move_outcome r = move->start(true, stream, wait_copies);
-      if (r == detail::move_outcome::out_of_memory && !to_far && make_room_for_move(bytes)) {
-        r = move->start(true, stream, wait_copies);
-      }
+      const auto start = [&] {
+        if constexpr (stream_joining_reserver<Reserver>) {
+          if (copies != stream) {
+            const auto used = events.record(stream);
+            try {
+              events.join(copies, used);
+            } catch (...) {
+              events.recycle(used);
+              throw;
+            }
+            events.recycle(used);
+          }
+        }
+        return move->start(true, copies, wait_copies);
+      };
+      detail::move_outcome r = start();
+      if (r == detail::move_outcome::out_of_memory && !to_far && make_room_for_move(bytes)) r = start();
       if (r == detail::move_outcome::out_of_memory) throw_move_out_of_memory(where, p, bytes, to_far);
       const auto address = reinterpret_cast<std::uintptr_t>(p);
       typename pending_map::iterator it;
@@ -1147,7 +1187,7 @@ class stitching_allocator {
             one.emplace(address, moved_allocation{});
             it->second.record = one.extract(one.begin());
           }
-          it->second.copied = events.record(stream);
+          it->second.copied = events.record(copies);
         } catch (...) {
           pending_.erase(it);
           throw;

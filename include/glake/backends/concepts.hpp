@@ -159,6 +159,27 @@ concept stream_ordered_reserver =
     };
 
 // ---------------------------------------------------------------------------------------------
+// stream_joining_reserver (refines stream_ordered_reserver)
+//
+// A reserver whose streams can wait for each other's events without the host waiting: a mover
+// queues its copies on a stream of their own, after the work queued on the stream that used the
+// memory, so that the copies run beside later work instead of in line with it.
+//
+// | expression                | returns | throws       | meaning
+// |---------------------------|---------|--------------|---------------------------------------
+// | r.stream_wait_event(s, e) | void    | driver_error | work queued on s from now on starts
+// |                           |         |              | once e's work has completed; e may be
+// |                           |         |              | recycled right after
+//
+// Models: cuda_reserver (cuStreamWaitEvent).
+// ---------------------------------------------------------------------------------------------
+template <class R>
+concept stream_joining_reserver =
+    stream_ordered_reserver<R> && requires(R& r, stream_ref stream, typename R::event_type event) {
+      { r.stream_wait_event(stream, event) } -> std::same_as<void>;
+    };
+
+// ---------------------------------------------------------------------------------------------
 // capture_aware_reserver (optional refinement)
 //
 // A reserver whose streams may be capturing work into a graph (CUDA stream capture) says so.

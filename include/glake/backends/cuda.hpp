@@ -344,6 +344,10 @@ class cuda_reserver {
   }
   void recycle_event(event_type event) noexcept { events_->give(event); }
   void wait_event(event_type event) noexcept { (void)cuEventSynchronize(event); }
+  // --- stream_joining_reserver ---
+  void stream_wait_event(stream_ref stream, event_type event) {
+    detail::cuda_check(cuStreamWaitEvent(stream.as<CUstream_st>(), event, 0), "cuStreamWaitEvent");
+  }
   void synchronize_device() noexcept { (void)cuCtxSynchronize(); }
 
   // --- capture_aware_reserver ---
@@ -370,6 +374,7 @@ class cuda_reserver {
 static_assert(address_reserver_for<cuda_reserver, cuda_provider>);
 static_assert(address_reserver_for<cuda_reserver, cuda_host_provider>);
 static_assert(stream_ordered_reserver<cuda_reserver>);
+static_assert(stream_joining_reserver<cuda_reserver>);
 static_assert(capture_aware_reserver<cuda_reserver>);
 
 }  // namespace glake

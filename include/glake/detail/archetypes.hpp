@@ -85,6 +85,11 @@ struct evented_reserver_archetype : reserver_archetype {
   void synchronize_device() noexcept;
 };
 
+/// The same whose streams wait for events: a stream_joining_reserver.
+struct joining_reserver_archetype : evented_reserver_archetype {
+  void stream_wait_event(stream_ref stream, event_type event);
+};
+
 /// A copy_backend and nothing more.
 struct copy_backend_archetype {
   struct event_type {};

@@ -45,6 +45,13 @@ class counted_events {
     }
   }
   void recycle(const event_type& e) noexcept { reserver_->recycle_event(e); }
+  /// Work queued on `stream` from now on waits for `e` (stream_joining_reserver only).
+  void join(stream_ref stream, const event_type& e)
+    requires stream_joining_reserver<Reserver>
+  {
+    const stopwatch watch{stats_->event_ns};
+    reserver_->stream_wait_event(stream, e);
+  }
   /// The only places the host blocks on the device; each counts in statistics::device_waits.
   void wait(const event_type& e) noexcept {
     ++stats_->device_waits;

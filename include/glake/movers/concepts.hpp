@@ -85,6 +85,10 @@ concept tiered_memory = requires(M& m, const M& cm, std::size_t offset, std::siz
 // |                            |         |                       | device memory goes back once the
 // |                            |         |                       | copies completed
 // | m.prefetch(off, n, s, when)| void    | as prefetch           | as prefetch, likewise
+// | m.offload(off, n, s, when, | void    | as offload            | the copies queued on c after the
+// |           c)               |         |                       | work queued on s (c may be s)
+// | m.prefetch(off, n, s, when,| void    | as prefetch           | likewise
+// |            c)              |         |                       |
 // | m.settle()                 | void    | driver_error          | every deferred move of m is
 // |                            |         |                       | complete (waits for its copies);
 // |                            |         |                       | the memory may be used
@@ -94,6 +98,8 @@ concept deferring_tiered_memory =
     tiered_memory<M> && requires(M& m, std::size_t offset, std::size_t bytes, stream_ref stream, move_completion when) {
       { m.offload(offset, bytes, stream, when) } -> std::same_as<void>;
       { m.prefetch(offset, bytes, stream, when) } -> std::same_as<void>;
+      { m.offload(offset, bytes, stream, when, stream) } -> std::same_as<void>;
+      { m.prefetch(offset, bytes, stream, when, stream) } -> std::same_as<void>;
       { m.settle() } -> std::same_as<void>;
     };
 

@@ -78,18 +78,29 @@ class allocation_memory {
     allocator_->prefetch(data_, stream);
   }
 
-  /// As above, the move's completion deferred or not (deferring_tiered_memory).
+  /// As above, the move's completion deferred or not, the copies on `copies` after the work
+  /// queued on `stream` (deferring_tiered_memory).
   void offload(std::size_t offset, std::size_t bytes, stream_ref stream, move_completion when)
     requires deferring_offloading_allocator<A>
   {
-    check_range("offload", offset, bytes);
-    allocator_->offload(data_, stream, when);
+    offload(offset, bytes, stream, when, stream);
   }
   void prefetch(std::size_t offset, std::size_t bytes, stream_ref stream, move_completion when)
     requires deferring_offloading_allocator<A>
   {
+    prefetch(offset, bytes, stream, when, stream);
+  }
+  void offload(std::size_t offset, std::size_t bytes, stream_ref stream, move_completion when, stream_ref copies)
+    requires deferring_offloading_allocator<A>
+  {
+    check_range("offload", offset, bytes);
+    allocator_->offload(data_, stream, when, copies);
+  }
+  void prefetch(std::size_t offset, std::size_t bytes, stream_ref stream, move_completion when, stream_ref copies)
+    requires deferring_offloading_allocator<A>
+  {
     check_range("prefetch", offset, bytes);
-    allocator_->prefetch(data_, stream, when);
+    allocator_->prefetch(data_, stream, when, copies);
   }
   /// The allocation's deferred move, if any, is complete.
   void settle()

@@ -35,6 +35,12 @@ struct scheduler_options {
   /// pins before returning. The thread that queues the work then never waits for the GPU to
   /// drain, but copies still run on `stream`, in line with the work queued there.
   move_completion moves = move_completion::on_return;
+  /// Where deferrable memory's copies run (unset: on `stream`, in line with its work). On a stream
+  /// of their own they start once the work queued on `stream` before the move has completed and
+  /// run beside what is queued after it: with `moves` deferred, transfers overlap compute. Two
+  /// streams let offloads and prefetches use the device's two copy directions at once.
+  std::optional<stream_ref> offload_copies;
+  std::optional<stream_ref> prefetch_copies;
 };
 
 /// A workload_scheduler's counters.
@@ -378,14 +384,15 @@ class workload_scheduler final : public budget_member {
   }
   void offload_now(slot& s) {
     if constexpr (deferring_tiered_memory<Memory>) {
-      s.memory->offload(0, s.bytes, options_.stream, options_.moves);
+      s.memory->offload(0, s.bytes, options_.stream, options_.moves, options_.offload_copies.value_or(options_.stream));
     } else {
       s.memory->offload(0, s.bytes, options_.stream);
     }
   }
   void prefetch_now(slot& s) {
     if constexpr (deferring_tiered_memory<Memory>) {
-      s.memory->prefetch(0, s.bytes, options_.stream, options_.moves);
+      s.memory->prefetch(0, s.bytes, options_.stream, options_.moves,
+                         options_.prefetch_copies.value_or(options_.stream));
     } else {
       s.memory->prefetch(0, s.bytes, options_.stream);
     }

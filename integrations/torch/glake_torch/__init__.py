@@ -1011,15 +1011,17 @@ class Scheduler:
     do it with module hooks. Tensors smaller than one 2 MiB handle are left alone (not movable);
     managed tensors are kept alive by the scheduler until unmanage() or close().
 
-    `moves`: "wait" (each move returns once the memory moved: the thread waits for the device) or
-    "deferred" (a move queues its copies and returns; the memory is remapped once they are done,
-    and will_use settles what it names before returning: the thread waits only for the moves of
-    what the next operation uses). With "deferred", a managed tensor must not be used by work
+    `moves`: "wait" (each move returns once the memory moved: the thread waits for the device),
+    "deferred" (a move queues its copies on `stream` and returns; the memory is remapped once
+    they are done, and will_use settles what it names before returning: the thread waits only for
+    the moves of what the next operation uses) or "overlapped" (deferred, the copies on two streams
+    of the scheduler's own, after the work queued on `stream`: transfers run beside the work
+    queued after them). With "deferred" or "overlapped", a managed tensor must not be used by work
     that will_use did not announce while its move is pending (a remap under a running kernel
     faults): call settle() first, e.g. before optimizer.step(); attach's hooks announce the
     forward and backward uses."""
 
-    MOVES = ("wait", "deferred")
+    MOVES = ("wait", "deferred", "overlapped")
 
     def __init__(self, budget, device=None, socket=None, name=None, stream=None, library=None, moves="wait"):
         self._lib = load(library)
@@ -1037,7 +1039,7 @@ class Scheduler:
         arguments = (self.device, self.budget, os.fsencode(socket) if socket else None,
                      name.encode() if name else None, _stream_handle(stream, self.device))
         if hasattr(self._lib, "glake_scheduler_create_with"):
-            handle = self._lib.glake_scheduler_create_with(*arguments, int(moves == "deferred"))
+            handle = self._lib.glake_scheduler_create_with(*arguments, self.MOVES.index(moves))
         else:
             handle = self._lib.glake_scheduler_create(*arguments)
         if not handle:
@@ -1095,7 +1097,7 @@ class Scheduler:
         """Completes every pending move of the managed tensors (moves="deferred"), waiting for their
         copies: call it before work that uses managed tensors without will_use, such as
         optimizer.step() over all parameters. Nothing to do with moves="wait"."""
-        if self.moves == "deferred":
+        if self.moves != "wait":
             _raise_for(self._lib.glake_scheduler_settle(self._handle), self._lib, "settle")
 
     def stats(self):

@@ -80,6 +80,15 @@ class SchedulerTest(unittest.TestCase):
         self.assertGreater(s.stats()["offloads"], 0)
         s.settle()  # nothing pending is left (here: nothing ever is)
         s.close()
+        # Copies on the scheduler's own streams: the same budget and uses through the C interface.
+        o = glake_torch.Scheduler(24 * MiB, device=0, name="overlapped", moves="overlapped")
+        self.assertEqual(o.moves, "overlapped")
+        for b in blocks:
+            o.manage(b)
+        self.sweep(o, blocks, iterations=2, stride=2, budget=24 * MiB)
+        self.assertGreater(o.stats()["offloads"], 0)
+        o.settle()
+        o.close()
         with self.assertRaisesRegex(ValueError, "moves must be one of"):
             glake_torch.Scheduler(24 * MiB, device=0, moves="later")
 
