@@ -15,6 +15,11 @@ its own with glake as PyTorch's allocator:
   glake-deferred  the same with moves="deferred": a move queues its copies and returns, the
          memory is remapped once they are done, and a layer's pre-hook waits only for the moves
          of its own weight.
+  glake-overlapped  moves="overlapped": deferred, the copies on the scheduler's two copy streams
+         (after the work queued before the move), so that they run beside the layers' compute.
+
+Every variant checks its result: the sum of one forward pass's output (and, training, of the
+first layer's weight gradient) after the timed steps, which must equal the baseline's (to 1e-4).
 
 Per variant: step time (median and p10-p90 of --steps steps after --warmup), the weights' bytes on
 the device at most (the scheduler's peak_device_bytes; the baseline: all of them), device memory in
@@ -79,8 +84,8 @@ def child(args):
     del host
 
     scheduler = None
-    if args.variant in ("glake", "glake-deferred"):
-        moves = "deferred" if args.variant == "glake-deferred" else "wait"
+    if args.variant.startswith("glake"):
+        moves = {"glake": "wait", "glake-deferred": "deferred", "glake-overlapped": "overlapped"}[args.variant]
         scheduler = glake_torch.Scheduler(int(args.fraction * weight_bytes), name="schedule_weights", moves=moves)
         scheduler.attach(model)
 
@@ -106,7 +111,20 @@ def child(args):
             free, total = torch.cuda.mem_get_info()
             in_use.append(total - free)
     times.sort()
+    # The result, to compare with the baseline's: a wrong weight anywhere changes it.
+    if args.mode == "train":
+        out = model(x)
+        out.float().sum().backward()
+        check = [out.float().sum().item(), layers[0].weight.grad.float().sum().item()]
+        for p in model.parameters():
+            p.grad = None
+        x.grad = None
+    else:
+        with torch.no_grad():
+            check = [model(x).float().sum().item()]
+    torch.cuda.synchronize()
     report = {
+        "check": check,
         "variant": args.variant, "mode": args.mode, "fraction": args.fraction, "layers": args.layers,
         "hidden": args.hidden, "tokens": args.tokens, "weight_gib": weight_bytes / GiB,
         "step_ms": statistics.median(times), "p10_ms": times[len(times) // 10], "p90_ms": times[len(times) * 9 // 10],
@@ -123,10 +141,16 @@ def child(args):
     print(json.dumps(report), flush=True)
 
 
+def close(a, b):
+    """Equal results to 1e-4 (relative): a kernel may reduce in another order; a wrong weight
+    moves the sums by far more."""
+    return len(a) == len(b) and all(abs(x - y) <= 1e-4 * max(abs(x), abs(y), 1.0) for x, y in zip(a, b))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--library", required=True)
-    ap.add_argument("--variants", default="gpu,glake,glake-deferred")
+    ap.add_argument("--variants", default="gpu,glake,glake-deferred,glake-overlapped")
     ap.add_argument("--mode", choices=("infer", "train"), default="train")
     ap.add_argument("--fraction", type=float, default=0.6)
     ap.add_argument("--layers", type=int, default=24)
@@ -161,17 +185,20 @@ def main():
             run["round"] = r
             runs.append(run)
             print(json.dumps(run), flush=True)
-    print("\n| variant | step ms, median of rounds' medians | vs gpu | weights on device GiB | in use GiB | compute/transfer |")
-    print("|---|---|---|---|---|---|")
+    print("\n| variant | step ms, median of rounds' medians | vs gpu | weights on device GiB | in use GiB | "
+          "compute/transfer | result as gpu's |")
+    print("|---|---|---|---|---|---|---|")
     base = [r["step_ms"] for r in runs if r["variant"] == "gpu"]
+    base_check = next((r["check"] for r in runs if r["variant"] == "gpu"), None)
     for v in variants:
         mine = [r for r in runs if r["variant"] == v]
         if not mine:
             continue
         ms = statistics.median(r["step_ms"] for r in mine)
         ratio = ms / statistics.median(base) if base else float("nan")
+        same = "-" if base_check is None else ("yes" if all(close(r["check"], base_check) for r in mine) else "NO")
         print(f"| {v} | {ms:.1f} | {ratio:.3f} | {max(r['weights_on_device_gib'] for r in mine):.2f} | "
-              f"{max(r['in_use_gib'] for r in mine):.2f} | {mine[0]['compute_per_transfer']:.2f} |")
+              f"{max(r['in_use_gib'] for r in mine):.2f} | {mine[0]['compute_per_transfer']:.2f} | {same} |")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,10 @@ Modes, one after another in one call, for each N in --processes:
   private  N workers started together, no sharing: N copies of the weights
   glake    a glake-dedup-cuda broker, a first worker that stores the weights, then N-1 started
            together that share them: one copy, plus per-process overhead
+  pair     (once, whatever N) a broker, a worker that stores the weights, and a second process
+           with two copies of the model, one shared: forward passes of the two timed in --pairs
+           interleaved pairs (order alternating) with a GPU-bound batch (--pair-batch x
+           --pair-tokens), on the device's clock: throughput after sharing against before
   kill     a broker and N workers started together, each killed (SIGKILL) at a random moment
            of --kill-after (while it builds, publishes or serves);
            after all are gone and the broker is stopped, the memory in use must be back at the
@@ -83,6 +87,76 @@ def timed_alone(torch, model, args):
     with open(args.lock, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return forward_ms(torch, model, args)
+
+
+def pair_worker(args):
+    """Two identical models in one process, the second shared (mapped onto the copy another
+    process stored), timed in interleaved pairs: the order alternates, --pairs of them, each
+    forward pass timed on the device (events) with a batch large enough to keep the GPU busy."""
+    import torch
+    import glake_torch
+
+    glake_torch.load(args.library)
+    private = build_model(torch, args)
+    shared = build_model(torch, args)
+    torch.cuda.empty_cache()
+    totals = glake_torch.share_weights(shared, args.socket)
+    torch.cuda.empty_cache()
+    ids = torch.randint(0, 32000, (args.pair_batch, args.pair_tokens), device="cuda",
+                        generator=torch.Generator(device="cuda").manual_seed(7))
+    ms = {"private": [], "shared": []}
+    sums = {}
+    with torch.no_grad():
+        for model in (private, shared):  # warm-up
+            model(ids)
+        for k in range(args.pairs):
+            order = (("private", private), ("shared", shared)) if k % 2 == 0 else (("shared", shared), ("private", private))
+            for name, model in order:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                start.record()
+                logits = model(ids).logits
+                end.record()
+                torch.cuda.synchronize()
+                ms[name].append(start.elapsed_time(end))
+                sums[name] = float(logits.float().sum())
+                del logits
+    ratios = sorted(b / a for a, b in zip(ms["private"], ms["shared"]))
+    print(json.dumps({"pairs": args.pairs, "batch": args.pair_batch, "tokens": args.pair_tokens,
+                      "shared_pieces": totals.get("shared"), "private_ms": statistics.median(ms["private"]),
+                      "shared_ms": statistics.median(ms["shared"]), "ratio_median": statistics.median(ratios),
+                      "ratio_p10": ratios[len(ratios) // 10], "ratio_p90": ratios[len(ratios) * 9 // 10],
+                      "same_output": sums["private"] == sums["shared"],
+                      "private_all": ms["private"], "shared_all": ms["shared"]}), flush=True)
+
+
+def run_pair(args):
+    """A broker, a first worker that stores the weights, then pair_worker in a second process."""
+    with tempfile.TemporaryDirectory(prefix="glake-share-") as directory:
+        broker, socket = start_broker(args, directory)
+        storer = spawn(args, 0, socket, directory)
+        try:
+            if not storer.stdout.readline():
+                raise SystemExit("the storing worker failed")
+            command = [sys.executable, os.path.abspath(__file__), "--pair-worker", "--library", args.library,
+                       "--socket", socket, "--pairs", str(args.pairs), "--pair-batch", str(args.pair_batch),
+                       "--pair-tokens", str(args.pair_tokens), "--layers", str(args.layers),
+                       "--hidden", str(args.hidden), "--ffn", str(args.ffn)]
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit("the pair worker failed: " + done.stderr[-2000:])
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+        finally:
+            storer.stdin.close()
+            storer.wait(60)
+            broker.terminate()
+            broker.wait(30)
+    print(json.dumps({"mode": "pair", **result}), flush=True)
+    print(f"\ninterleaved pairs ({result['pairs']}, batch {result['batch']} x {result['tokens']} tokens, "
+          f"{result['shared_pieces']} pieces shared): private {result['private_ms']:.2f} ms, shared "
+          f"{result['shared_ms']:.2f} ms; shared / private per pair: median {result['ratio_median']:.4f} "
+          f"(p10 {result['ratio_p10']:.4f}, p90 {result['ratio_p90']:.4f}); outputs equal: {result['same_output']}")
+    return result
 
 
 def worker(args):
@@ -246,16 +320,27 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kill-after", type=float, nargs=2, default=(3.0, 20.0),
                         help="seconds after its start at which each worker of mode kill is killed")
+    parser.add_argument("--pairs", type=int, default=50, help="mode pair: interleaved pairs of forward passes")
+    parser.add_argument("--pair-batch", type=int, default=8)
+    parser.add_argument("--pair-tokens", type=int, default=2048)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--pair-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--socket", help=argparse.SUPPRESS)
     parser.add_argument("--lock", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    if args.pair_worker:
+        return pair_worker(args)
     modes = args.modes.split(",")
     if any(m != "private" for m in modes) and not args.dedup:
-        raise SystemExit("--dedup PATH (glake-dedup-cuda) is needed for modes glake and kill")
+        raise SystemExit("--dedup PATH (glake-dedup-cuda) is needed for modes glake, kill and pair")
+    if "pair" in modes:
+        run_pair(args)
+        modes = [m for m in modes if m != "pair"]
+        if not modes:
+            return
     import torch
 
     torch.cuda.init()
