@@ -241,7 +241,7 @@ struct cuda_region_maker {
   }
 };
 static_assert(torch_plugin::region_maker<cuda_region_maker>);
-using weights_registry = torch_plugin::shared_weights_registry<cuda_region_maker, cuda_staged_hasher>;
+using weights_registry = torch_plugin::shared_weights_registry<cuda_region_maker, cuda_device_hasher>;
 
 /// The device's memory (cuDeviceTotalMem), what PyTorch's memory fraction is a fraction of; 0
 /// when the driver cannot say.

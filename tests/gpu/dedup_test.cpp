@@ -1,7 +1,8 @@
 // The CUDA models of the sharing contracts on a real GPU: a broker (cuda_content_verifier) on a
-// thread of this process and two clients (cuda_shareable_backend, cuda_staged_hasher) publishing
+// thread of this process and two clients (cuda_shareable_backend, cuda_device_hasher) publishing
 // regions of equal device memory; kernels check every word through the unchanged pointers, and
-// cudaMemGetInfo sees the second copy given back.
+// cudaMemGetInfo sees the second copy given back. The device hasher's digests equal the host's
+// arithmetic on the same bytes, wherever they lie.
 #include <doctest/doctest.h>
 
 #include <cuda.h>
@@ -9,21 +10,26 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "glake/backends/cuda.hpp"
 #include "glake/sharing/cuda_sharing.hpp"
 #include "glake/sharing/dedup_broker.hpp"
 #include "glake/sharing/dedup_client.hpp"
 #include "gpu_checks.hpp"
+#include "kernels.hpp"
 
 // Every member of both, instantiated over the CUDA models.
 template class glake::basic_dedup_broker<glake::cuda_content_verifier>;
 template class glake::dedup_client<glake::cuda_shareable_backend, glake::cuda_staged_hasher>;
+template class glake::dedup_client<glake::cuda_shareable_backend, glake::cuda_device_hasher>;
 
 static_assert(glake::content_hasher<glake::cuda_staged_hasher>);
+static_assert(glake::content_hasher<glake::cuda_device_hasher>);
 static_assert(glake::shareable_backend<glake::cuda_shareable_backend>);
 static_assert(glake::content_verifier<glake::cuda_content_verifier>);
 
@@ -31,7 +37,15 @@ namespace {
 
 using namespace glake;
 constexpr std::size_t piece = 2 * MiB;
-using cuda_client = dedup_client<cuda_shareable_backend, cuda_staged_hasher>;
+using cuda_client = dedup_client<cuda_shareable_backend, cuda_device_hasher>;
+
+// The digest cuda_device_hasher must give for the bytes at host address p: the kernel's
+// arithmetic, done on the host.
+content_digest host_reference(const unsigned char* p, std::size_t bytes) {
+  std::uint64_t lanes[4] = {0, 0, 0, 0};
+  detail::content_hash_lanes(p, 0, bytes / 8, lanes);
+  return detail::content_digest_of(lanes, bytes, p + bytes / 8 * 8, bytes % 8);
+}
 
 // Device memory whose every 2 MiB piece is a handle of its own that only its mapping holds (as
 // the PyTorch plug-in's shared regions are), so that remapping a piece gives its memory back.
@@ -155,4 +169,47 @@ TEST_CASE("gpu: two clients publish equal device memory: the second maps the fir
     first.release(a.data(), bytes);
   }
   std::filesystem::remove_all(std::filesystem::path(socket).parent_path());
+}
+
+TEST_CASE("gpu: cuda_device_hasher gives the host arithmetic's digest for equal bytes wherever they lie, another for other bytes") {
+  REQUIRE(cudaFree(nullptr) == cudaSuccess);
+  const std::size_t bytes = 6 * MiB + 5;  // whole words and a tail
+  CUdeviceptr a = 0, b = 0;
+  REQUIRE(cuMemAlloc(&a, bytes + 8) == CUDA_SUCCESS);
+  REQUIRE(cuMemAlloc(&b, bytes + 8) == CUDA_SUCCESS);
+  REQUIRE(gpu_test::fill(reinterpret_cast<void*>(a), bytes + 8, 91) == cudaSuccess);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  REQUIRE(cuMemcpyDtoD(b + 1, a, bytes) == CUDA_SUCCESS);  // the same bytes, misaligned
+  std::vector<unsigned char> host(bytes);
+  REQUIRE(cuMemcpyDtoH(host.data(), a, bytes) == CUDA_SUCCESS);
+  const cuda_device_hasher hash;
+  const content_digest on_device = hash(reinterpret_cast<void*>(a), bytes);
+  CHECK(on_device == host_reference(host.data(), bytes));
+  CHECK(hash(reinterpret_cast<void*>(b + 1), bytes) == on_device);  // staged on the host, same digest
+  CHECK(hash(reinterpret_cast<void*>(a), bytes) == on_device);      // the same again
+  CHECK(hash(reinterpret_cast<void*>(a), bytes - 1) != on_device);  // a shorter range
+  // One word changed, then one tail byte: other digests.
+  const unsigned char one = host[4 * MiB] ^ 0x40;
+  REQUIRE(cuMemcpyHtoD(a + 4 * MiB, &one, 1) == CUDA_SUCCESS);
+  const content_digest changed = hash(reinterpret_cast<void*>(a), bytes);
+  CHECK(changed != on_device);
+  host[4 * MiB] = one;
+  CHECK(changed == host_reference(host.data(), bytes));
+  const unsigned char last = host[bytes - 1] ^ 1;
+  REQUIRE(cuMemcpyHtoD(a + bytes - 1, &last, 1) == CUDA_SUCCESS);
+  CHECK(hash(reinterpret_cast<void*>(a), bytes) != changed);
+  // Two words swapped: the index mixed into each term tells them apart.
+  std::uint64_t w[2];
+  REQUIRE(cuMemcpyDtoH(w, a + 8 * 1000, 16) == CUDA_SUCCESS);
+  if (w[0] != w[1]) {
+    const content_digest before = hash(reinterpret_cast<void*>(a), bytes);
+    const std::uint64_t swapped[2] = {w[1], w[0]};
+    REQUIRE(cuMemcpyHtoD(a + 8 * 1000, swapped, 16) == CUDA_SUCCESS);
+    CHECK(hash(reinterpret_cast<void*>(a), bytes) != before);
+  }
+  // Empty and tail-only ranges.
+  CHECK(hash(reinterpret_cast<void*>(a), 0) == host_reference(host.data(), 0));
+  CHECK(hash(reinterpret_cast<void*>(b + 1), 7) == host_reference(host.data(), 7));
+  REQUIRE(cuMemFree(a) == CUDA_SUCCESS);
+  REQUIRE(cuMemFree(b) == CUDA_SUCCESS);
 }

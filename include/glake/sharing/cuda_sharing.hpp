@@ -1,6 +1,7 @@
 // The CUDA models of the sharing contracts: device memory exported as POSIX file descriptors
-// and mapped read-only at the same addresses, hashed and compared through host memory.
-// Compiled in CI; not yet run on a GPU (docs/dedup.md, "The CUDA backend").
+// and mapped read-only at the same addresses, hashed on the device (or through host memory) and
+// compared through host memory. CI compiles them; tests/gpu/dedup_test.cpp runs them on a GPU
+// (docs/dedup.md, "The CUDA backend").
 #pragma once
 
 #include <cuda.h>
@@ -11,14 +12,17 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "glake/backends/cuda.hpp"
 #include "glake/detail/unix_socket.hpp"
 #include "glake/errors.hpp"
 #include "glake/sharing/concepts.hpp"
+#include "glake/sharing/detail/content_hash_ptx.hpp"
 #include "glake/sharing/host_sharing.hpp"
 
 namespace glake {
@@ -119,7 +123,8 @@ inline void cuda_remap(void* p, std::size_t bytes, CUmemGenericAllocationHandle 
 // of the steps (fast_content_hasher), so equal bytes give equal digests in every process using
 // it. A step that cannot be copied gives a digest no other piece gets (a process-wide counter
 // mixed in): the piece is at worst indexed alone, never wrongly matched, since the broker
-// compares bytes. A device hasher (a kernel per block) is the faster model still to come.
+// compares bytes. cuda_device_hasher (below) hashes on the device instead; the two give
+// different digests for the same bytes, so processes sharing memory must use the same one.
 // Thread safety: each call uses a buffer of its own.
 // ---------------------------------------------------------------------------------------------
 struct cuda_staged_hasher {
@@ -149,6 +154,149 @@ struct cuda_staged_hasher {
   }
 };
 static_assert(content_hasher<cuda_staged_hasher>);
+
+namespace detail {
+
+/// The four lanes of glake_content_hash (tools/kernels/content_hash.cu) over `n` 8-byte words,
+/// computed on the host with the same arithmetic, starting from `lanes`: what the kernel adds
+/// to its zeroed output. Used where the device cannot run the kernel, and by the tests.
+inline void content_hash_lanes(const void* data, std::uint64_t first, std::uint64_t n, std::uint64_t lanes[4]) noexcept {
+  const auto mix = [](std::uint64_t x) noexcept {
+    x ^= x >> 30;
+    x *= 0xBF58476D1CE4E5B9ULL;
+    x ^= x >> 27;
+    x *= 0x94D049BB133111EBULL;
+    x ^= x >> 31;
+    return x;
+  };
+  const auto* in = static_cast<const unsigned char*>(data);
+  for (std::uint64_t k = 0; k < n; ++k) {
+    const std::uint64_t i = first + k;
+    std::uint64_t w;
+    std::memcpy(&w, in + 8 * k, sizeof w);
+    const std::uint64_t x = mix(w ^ (i * 0x9E3779B97F4A7C15ULL));
+    lanes[0] += x;
+    lanes[1] ^= ((x << 23) | (x >> 41)) + i;
+    lanes[2] += x * (2 * i + 1);
+    lanes[3] += mix(w + 0xD1B54A32D192ED03ULL * (i + 1));
+  }
+}
+
+/// The digest of a range from its lanes, its length and its last (bytes % 8) bytes.
+inline content_digest content_digest_of(const std::uint64_t lanes[4], std::size_t bytes, const unsigned char* tail,
+                                        std::size_t tail_bytes) noexcept {
+  unsigned char summary[4 * 8 + 8 + 8] = {};
+  std::memcpy(summary, lanes, 4 * 8);
+  const std::uint64_t n = bytes;
+  std::memcpy(summary + 32, &n, sizeof n);
+  if (tail_bytes != 0) std::memcpy(summary + 40, tail, tail_bytes);
+  return fast_content_hasher{}(summary, sizeof summary);
+}
+
+/// glake_content_hash in the current context: loaded from the embedded PTX once per context
+/// (kept for the process's life, as primary contexts are); null where no context is current or
+/// the driver cannot load it.
+inline CUfunction content_hash_function() noexcept {
+  CUcontext context = nullptr;
+  if (cuCtxGetCurrent(&context) != CUDA_SUCCESS || context == nullptr) return nullptr;
+  static std::mutex mutex;
+  static std::vector<std::pair<CUcontext, CUfunction>> loaded;
+  std::lock_guard lock(mutex);
+  for (const auto& [c, f] : loaded) {
+    if (c == context) return f;
+  }
+  CUmodule module = nullptr;
+  CUfunction function = nullptr;
+  if (cuModuleLoadData(&module, content_hash_ptx) != CUDA_SUCCESS) return nullptr;
+  if (cuModuleGetFunction(&function, module, "glake_content_hash") != CUDA_SUCCESS) {
+    (void)cuModuleUnload(module);
+    return nullptr;
+  }
+  try {
+    loaded.emplace_back(context, function);
+  } catch (...) {
+    (void)cuModuleUnload(module);
+    return nullptr;
+  }
+  return function;
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------
+// cuda_device_hasher
+//
+// Hashes device memory where it is: one kernel (glake_content_hash, embedded as PTX and loaded
+// once per context) reduces the range's 8-byte words to four 64-bit lanes, each word mixed with
+// its index, combined by sums and an exclusive or so that the result does not depend on thread
+// order; the host then hashes the lanes, the length and the last bytes % 8 bytes into the digest.
+// The kernel runs on the legacy default stream (after the work queued on blocking streams, as
+// cuMemcpyDtoH would), and the call waits for it. Where the kernel cannot run (no current
+// context, the PTX refused, a misaligned pointer), the same lanes are computed on the host from
+// a staged copy: equal bytes give equal digests on every path and in every process. A failure
+// of both gives a digest no other piece gets (never a wrong match: the broker compares bytes).
+// Cost: per call a 32-byte device allocation, a memset, a launch and a 32-byte copy back, about
+// the same whatever the size up to a few MiB; the bytes are read once, at device bandwidth.
+// Thread safety: any thread; each call uses buffers of its own.
+// ---------------------------------------------------------------------------------------------
+struct cuda_device_hasher {
+  content_digest operator()(const void* device, std::size_t bytes) const noexcept {
+    const std::size_t words = bytes / 8;
+    unsigned char tail[8] = {};
+    const std::size_t tail_bytes = bytes % 8;
+    if (tail_bytes != 0 && cuMemcpyDtoH(tail, detail::device_pointer(device) + words * 8, tail_bytes) != CUDA_SUCCESS) {
+      return staged_unique();
+    }
+    std::uint64_t lanes[4] = {0, 0, 0, 0};
+    if (words != 0 && !on_device(device, words, lanes) && !on_host(device, words, lanes)) return staged_unique();
+    return detail::content_digest_of(lanes, bytes, tail, tail_bytes);
+  }
+
+ private:
+  static bool on_device(const void* device, std::uint64_t words, std::uint64_t lanes[4]) noexcept {
+    if (reinterpret_cast<std::uintptr_t>(device) % 8 != 0) return false;
+    CUfunction function = detail::content_hash_function();
+    if (function == nullptr) return false;
+    CUdeviceptr out = 0;
+    if (cuMemAlloc(&out, 4 * sizeof(std::uint64_t)) != CUDA_SUCCESS) return false;
+    constexpr unsigned threads = 256;
+    const std::uint64_t wanted = (words + threads * 8 - 1) / (threads * 8);
+    const unsigned blocks = static_cast<unsigned>(wanted < 1024 ? wanted : 1024);
+    CUdeviceptr in = detail::device_pointer(device);
+    unsigned long long n = words;
+    void* arguments[] = {&in, &n, &out};
+    const bool done = cuMemsetD8(out, 0, 4 * sizeof(std::uint64_t)) == CUDA_SUCCESS &&
+                      cuLaunchKernel(function, blocks, 1, 1, threads, 1, 1, 0, nullptr, arguments, nullptr) ==
+                          CUDA_SUCCESS &&
+                      cuMemcpyDtoH(lanes, out, 4 * sizeof(std::uint64_t)) == CUDA_SUCCESS;
+    (void)cuMemFree(out);
+    return done;
+  }
+
+  static bool on_host(const void* device, std::uint64_t words, std::uint64_t lanes[4]) noexcept {
+    constexpr std::size_t step = 8 * MiB;
+    std::unique_ptr<char[]> buffer(new (std::nothrow) char[step]);
+    if (!buffer) return false;
+    lanes[0] = lanes[1] = lanes[2] = lanes[3] = 0;
+    for (std::uint64_t at = 0; at < words;) {
+      const std::uint64_t n = words - at < step / 8 ? words - at : step / 8;
+      if (cuMemcpyDtoH(buffer.get(), detail::device_pointer(device) + at * 8, n * 8) != CUDA_SUCCESS) return false;
+      detail::content_hash_lanes(buffer.get(), at, n, lanes);
+      at += n;
+    }
+    return true;
+  }
+
+  static content_digest staged_unique() noexcept {
+    static std::atomic<std::uint64_t> counter{0};
+    content_digest d;
+    d.bytes.fill(0x5A);
+    const std::uint64_t n = ++counter;
+    std::memcpy(d.bytes.data(), &n, sizeof n);
+    return d;
+  }
+};
+static_assert(content_hasher<cuda_device_hasher>);
 
 // ---------------------------------------------------------------------------------------------
 // cuda_shareable_backend
