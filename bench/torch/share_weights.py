@@ -376,10 +376,11 @@ def main():
         intercept = mean_y - slope * mean_n
         broker = statistics.fmean(r["broker_gib"] for r in results if r["mode"] == "glake")
         weights = results[0]["weights_gib"]
+        besides = (f"; the private processes hold {statistics.fmean(other.values()):.3f} GiB each besides their weights"
+                   if other else "")
         print(f"\nglake in use = {intercept:.2f} + {slope:.3f} x N GiB (least squares over N = {ns}); "
               f"less the broker's {broker:.2f} GiB, the intercept is {(intercept - broker) / weights:.2f} copies "
-              f"of the weights; the private processes hold {statistics.fmean(other.values()):.3f} GiB each besides "
-              f"their weights")
+              f"of the weights{besides}")
 
 
 if __name__ == "__main__":
