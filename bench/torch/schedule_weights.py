@@ -21,8 +21,9 @@ its own with glake as PyTorch's allocator:
 Every variant checks its result: the sum of one forward pass's output (and, training, of the
 first layer's weight gradient) after the timed steps, which must equal the baseline's (to 1e-4).
 
-Per variant: step time (median and p10-p90 of --steps steps after --warmup), the weights' bytes on
-the device at most (the scheduler's peak_device_bytes; the baseline: all of them), device memory in
+Per variant: step time (median and p10-p90 of --steps steps after --warmup), the allocator's host
+time in driver calls per step by kind (glake_torch.stats; far memory's own calls are not in it),
+the weights' bytes on the device at most (the scheduler's peak_device_bytes; the baseline: all of them), device memory in
 use at the end of each step (cudaMemGetInfo), the scheduler's counters, and the compute/transfer
 ratio of one layer (its forward time on the device against copying its weight at the bus speed
 measured here). Output: one JSON line per run, rounds alternating the variants' order, then a
@@ -101,7 +102,11 @@ def child(args):
                 model(x)
 
     times, in_use = [], []
+    kinds = ("create", "release", "reserve", "address_free", "map", "unmap", "set_access")
+    driver_before = None
     for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            driver_before = glake_torch.stats()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         step()
@@ -110,6 +115,11 @@ def child(args):
             times.append((time.perf_counter() - t0) * 1e3)
             free, total = torch.cuda.mem_get_info()
             in_use.append(total - free)
+    driver_after = glake_torch.stats()
+    # The allocator's host time in driver calls per timed step, by kind (ms): what the moves cost
+    # the launching thread besides their copies.
+    driver_ms = {k: (driver_after[f"driver_{k}_ns"] - driver_before[f"driver_{k}_ns"]) / 1e6 / args.steps
+                 for k in kinds}
     times.sort()
     # The result, to compare with the baseline's: a wrong weight anywhere changes it.
     if args.mode == "train":
@@ -130,6 +140,7 @@ def child(args):
         "step_ms": statistics.median(times), "p10_ms": times[len(times) // 10], "p90_ms": times[len(times) * 9 // 10],
         "in_use_gib": max(in_use) / GiB, "layer_ms": layer_ms, "weight_copy_ms": copy_ms,
         "compute_per_transfer": layer_ms / copy_ms,
+        "driver_ms_per_step": driver_ms, "driver_ms_per_step_total": sum(driver_ms.values()),
     }
     if scheduler is not None:
         s = scheduler.stats()
@@ -186,8 +197,8 @@ def main():
             runs.append(run)
             print(json.dumps(run), flush=True)
     print("\n| variant | step ms, median of rounds' medians | vs gpu | weights on device GiB | in use GiB | "
-          "compute/transfer | result as gpu's |")
-    print("|---|---|---|---|---|---|---|")
+          "compute/transfer | result as gpu's | driver ms a step |")
+    print("|---|---|---|---|---|---|---|---|")
     base = [r["step_ms"] for r in runs if r["variant"] == "gpu"]
     base_check = next((r["check"] for r in runs if r["variant"] == "gpu"), None)
     for v in variants:
@@ -198,7 +209,8 @@ def main():
         ratio = ms / statistics.median(base) if base else float("nan")
         same = "-" if base_check is None else ("yes" if all(close(r["check"], base_check) for r in mine) else "NO")
         print(f"| {v} | {ms:.1f} | {ratio:.3f} | {max(r['weights_on_device_gib'] for r in mine):.2f} | "
-              f"{max(r['in_use_gib'] for r in mine):.2f} | {mine[0]['compute_per_transfer']:.2f} | {same} |")
+              f"{max(r['in_use_gib'] for r in mine):.2f} | {mine[0]['compute_per_transfer']:.2f} | {same} | "
+              f"{statistics.median(r['driver_ms_per_step_total'] for r in mine):.1f} |")
 
 
 if __name__ == "__main__":
