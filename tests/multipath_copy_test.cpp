@@ -408,7 +408,32 @@ TEST_CASE("multipath_copier survives a driver failure at every call, leaking no 
   CHECK(failures >= 50);  // four paths, each with chunks, pieces and events: many calls to fail
   CHECK(peer_copy_failed);
   CHECK(stream_wait_failed);
+  // The call numbers shift with how often events were polled (timing), so the loop may step
+  // over the scratch buffer's allocation: fail it by name as well.
+  {
+    std::vector<peer_route<testing::faulty_copy_backend>> peers;
+    for (int d = 1; d < devices; ++d) {
+      peers.push_back({testing::faulty_copy_backend(backend.on_device(d), faults),
+                       stream_ref{static_cast<std::uintptr_t>(2000 + d)}, 1.0, 0});
+    }
+    faulty_multipath copier(testing::faulty_copy_backend(backend, faults), peers, classifier, small_options());
+    faults->fail_next_device_allocation();
+    try {
+      copier.copy(device.data(), a.data(), n, stream);
+      backend.wait_stream(stream);
+    } catch (const out_of_memory& e) {
+      scratch_failed = scratch_failed || std::string(e.what()).find("scratch buffer") != std::string::npos;
+    }
+    faults->never_fail();
+    copier.copy(device.data(), b.data(), n, stream);
+    std::vector<unsigned char> back(n);
+    copier.copy(back.data(), device.data(), n, stream);
+    backend.wait_stream(stream);
+    CHECK(back == b);
+  }
   CHECK(scratch_failed);
+  CHECK(backend.live_device() == 0);
+  CHECK(backend.live_staging() == 0);
 }
 
 TEST_CASE("threads: several threads copy through one multipath_copier at once") {

@@ -25,6 +25,23 @@ class copy_faults {
   void never_fail() {
     std::lock_guard lock(mutex_);
     target_ = 0;
+    fail_device_allocation_ = false;
+  }
+  /// The next try_allocate_device fails, whatever else is counted (fail_nth_call's numbering
+  /// depends on how often events were polled, which depends on timing).
+  void fail_next_device_allocation() {
+    std::lock_guard lock(mutex_);
+    fail_device_allocation_ = true;
+  }
+  bool should_fail_device_allocation() {
+    std::lock_guard lock(mutex_);
+    if (fail_device_allocation_) {
+      fail_device_allocation_ = false;
+      ++calls_;
+      ++faults_;
+      return true;
+    }
+    return false;
   }
   bool should_fail() {
     std::lock_guard lock(mutex_);
@@ -48,6 +65,7 @@ class copy_faults {
   std::uint64_t calls_ = 0;
   std::uint64_t target_ = 0;  // 0: fail nothing
   std::uint64_t faults_ = 0;
+  bool fail_device_allocation_ = false;
 };
 
 /// host_dma_backend whose fallible calls fail when `faults` says so: allocation returns null
@@ -82,7 +100,7 @@ class faulty_copy_backend {
   void wait_stream(stream_ref stream) noexcept { inner_.wait_stream(stream); }
 
   void* try_allocate_device(std::size_t bytes) {
-    if (faults_->should_fail()) return nullptr;
+    if (faults_->should_fail_device_allocation() || faults_->should_fail()) return nullptr;
     return inner_.try_allocate_device(bytes);
   }
   void free_device(void* p, std::size_t bytes) noexcept { inner_.free_device(p, bytes); }
