@@ -116,6 +116,21 @@ inline void cuda_remap(void* p, std::size_t bytes, CUmemGenericAllocationHandle 
 
 }  // namespace detail
 
+namespace detail {
+
+/// A digest no other range gets (a process-wide counter), for a range that could not be read:
+/// it is at worst indexed alone, never wrongly matched, since the broker compares bytes.
+inline content_digest digest_of_no_content() noexcept {
+  static std::atomic<std::uint64_t> counter{0};
+  content_digest d;
+  d.bytes.fill(0xA5);
+  const std::uint64_t n = ++counter;
+  std::memcpy(d.bytes.data(), &n, sizeof n);
+  return d;
+}
+
+}  // namespace detail
+
 // ---------------------------------------------------------------------------------------------
 // cuda_staged_hasher
 //
@@ -144,14 +159,7 @@ struct cuda_staged_hasher {
   }
 
  private:
-  static content_digest unique() noexcept {
-    static std::atomic<std::uint64_t> counter{0};
-    content_digest d;
-    d.bytes.fill(0xA5);
-    const std::uint64_t n = ++counter;
-    std::memcpy(d.bytes.data(), &n, sizeof n);
-    return d;
-  }
+  static content_digest unique() noexcept { return detail::digest_of_no_content(); }
 };
 static_assert(content_hasher<cuda_staged_hasher>);
 
@@ -245,10 +253,10 @@ struct cuda_device_hasher {
     unsigned char tail[8] = {};
     const std::size_t tail_bytes = bytes % 8;
     if (tail_bytes != 0 && cuMemcpyDtoH(tail, detail::device_pointer(device) + words * 8, tail_bytes) != CUDA_SUCCESS) {
-      return staged_unique();
+      return unique();
     }
     std::uint64_t lanes[4] = {0, 0, 0, 0};
-    if (words != 0 && !on_device(device, words, lanes) && !on_host(device, words, lanes)) return staged_unique();
+    if (words != 0 && !on_device(device, words, lanes) && !on_host(device, words, lanes)) return unique();
     return detail::content_digest_of(lanes, bytes, tail, tail_bytes);
   }
 
@@ -287,14 +295,7 @@ struct cuda_device_hasher {
     return true;
   }
 
-  static content_digest staged_unique() noexcept {
-    static std::atomic<std::uint64_t> counter{0};
-    content_digest d;
-    d.bytes.fill(0x5A);
-    const std::uint64_t n = ++counter;
-    std::memcpy(d.bytes.data(), &n, sizeof n);
-    return d;
-  }
+  static content_digest unique() noexcept { return detail::digest_of_no_content(); }
 };
 static_assert(content_hasher<cuda_device_hasher>);
 
