@@ -446,3 +446,50 @@ TEST_CASE("offload: a failure at any driver call of a move leaves every byte and
   }
   CHECK(faults >= 30);  // creates, reservations, maps and accesses of four moves
 }
+
+TEST_CASE("offload: far handles keep a home mapping while made and kept, so an offload maps no temporary range") {
+  sim_device gpu(256 * M, 2 * M, 256 * M);
+  {
+    far_memory_of<sim_host_provider, sim_copier, sim_reserver> far{sim_host_provider(gpu), sim_copier(gpu),
+                                                                  sim_reserver(gpu)};
+    const std::size_t mappings = gpu.live_mappings();
+    const std::optional<sim_handle> h = far.try_create(4 * M);
+    REQUIRE(h);
+    void* home = far.home_of(*h);
+    CHECK(home != nullptr);
+    CHECK(gpu.live_mappings() == mappings + 1);
+    far.release(*h);  // kept for reuse, still mapped
+    CHECK(gpu.live_mappings() == mappings + 1);
+    const std::optional<sim_handle> again = far.try_create(4 * M);
+    REQUIRE(again);
+    CHECK(*again == *h);
+    CHECK(far.home_of(*again) == home);
+    far.release(*again);
+    CHECK(far.trim() == 4 * M);
+    CHECK(gpu.live_mappings() == mappings);
+    CHECK(gpu.host_bytes() == 0);
+
+    far_memory_of<sim_host_provider, sim_copier> bare{sim_host_provider(gpu), sim_copier(gpu)};
+    const std::optional<sim_handle> b = bare.try_create(4 * M);
+    REQUIRE(b);
+    CHECK(bare.home_of(*b) == nullptr);  // no mapper: the caller maps it
+    bare.release(*b);
+  }
+  CHECK(gpu.host_bytes() == 0);
+
+  sim_alloc a{sim_provider(gpu), sim_reserver(gpu)};
+  a.attach_far_memory(sim_host_provider(gpu), sim_copier(gpu));
+  void* p = a.allocate(32 * M);
+  const std::uint64_t reserves = a.stats().driver_calls[driver_call::reserve];
+  a.offload(p);
+  CHECK(a.stats().driver_calls[driver_call::reserve] == reserves);  // copied straight into the far homes
+  a.prefetch(p);
+  a.offload(p);  // the kept far handles, homes and all
+  CHECK(a.stats().offloaded_bytes == 32 * M);
+  a.prefetch(p);
+  a.deallocate(p, 32 * M);
+  a.verify();
+  a.release_cached();
+  CHECK(gpu.host_bytes() == 0);
+  CHECK(gpu.violations() == 0);
+}

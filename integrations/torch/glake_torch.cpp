@@ -260,7 +260,7 @@ std::size_t device_total_bytes(int device) {
 // there completes after cuStreamDestroy; the allocator waits for the copies by their events.
 std::shared_ptr<void> make_copy_streams(int device, stream_ref& offloads, stream_ref& prefetches) {
   struct streams {
-    int device;
+    int device = 0;
     CUstream out = nullptr;
     CUstream in = nullptr;
     ~streams() {
@@ -269,7 +269,8 @@ std::shared_ptr<void> make_copy_streams(int device, stream_ref& offloads, stream
       if (in != nullptr) (void)cuStreamDestroy(in);
     }
   };
-  auto made = std::make_shared<streams>(streams{device});
+  auto made = std::make_shared<streams>();
+  made->device = device;
   const cuda_device_scope scope(device);
   detail::cuda_check(cuStreamCreate(&made->out, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
   detail::cuda_check(cuStreamCreate(&made->in, CU_STREAM_NON_BLOCKING), "cuStreamCreate");

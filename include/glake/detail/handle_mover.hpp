@@ -39,8 +39,8 @@ enum class move_outcome {
 /// - start(copy, stream, wait_copies): new handles are made; with `copy`, the bytes are copied
 ///   into them from the home addresses on `stream` (after the work queued there): into far
 ///   handles' own homes where far memory keeps them mapped (far_memory::home_of), else through
-///   one temporary range where they are mapped side by side. Nothing the caller sees has changed yet. Out of
-///   memory: out_of_memory, with nothing made. A throw after copies were queued waits for them
+///   one temporary range where they are mapped side by side. Nothing the caller sees has
+///   changed yet. Out of memory: out_of_memory, with nothing made. A throw after copies were queued waits for them
 ///   (`wait_copies()`) before giving the new handles back.
 /// - finish(), once the copies are done: every address of each site is remapped to its new
 ///   handle, the temporary range goes, and the old handles go back (the backend's counted out

@@ -37,7 +37,8 @@ namespace glake {
 // |                         |                        |              | mapped and accessible for
 // |                         |                        |              | copies, or null (none)
 //
-// Model: far_memory_of<Host, Copier> over a physical_provider and a byte_copier.
+// Model: far_memory_of<Host, Copier, Mapper> over a physical_provider, a byte_copier and,
+// optionally, an address_reserver that maps its handles at homes of their own.
 // Thread safety: as the provider and copier; the allocator calls it under its lock.
 // ---------------------------------------------------------------------------------------------
 template <class Handle>
