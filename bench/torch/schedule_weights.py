@@ -31,6 +31,9 @@ table.
 
     python3 bench/torch/schedule_weights.py --library build/torch/libglake_torch.so \\
         --fraction 0.6 --rounds 3
+
+GLAKE_ALLOC_CONF applies to every variant (glake is PyTorch's allocator in all of them); e.g.
+max_handle:64MiB,min_handles:1 gives each 128 MiB weight two handles instead of sixteen.
 """
 
 import argparse
@@ -141,6 +144,7 @@ def child(args):
         "in_use_gib": max(in_use) / GiB, "layer_ms": layer_ms, "weight_copy_ms": copy_ms,
         "compute_per_transfer": layer_ms / copy_ms,
         "driver_ms_per_step": driver_ms, "driver_ms_per_step_total": sum(driver_ms.values()),
+        "alloc_conf": os.environ.get("GLAKE_ALLOC_CONF"),
     }
     if scheduler is not None:
         s = scheduler.stats()
