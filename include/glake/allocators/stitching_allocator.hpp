@@ -344,10 +344,7 @@ class stitching_allocator {
       throw config_error(std::string(name) + "::attach_far_memory: handles of " + format_bytes(pool_.chunk()) +
                          " are not multiples of the far memory's granularity (" + format_bytes(g) + ")");
     }
-    // The far handles keep a home mapping of their own (a copy of this reserver maps it), so
-    // that an offload copies straight into them.
-    far_ = std::make_unique<far_memory_of<Host, Copier, Reserver>>(std::move(host), std::move(copier),
-                                                                    Reserver(pool_.backend().reserver()));
+    far_ = std::make_unique<far_memory_of<Host, Copier>>(std::move(host), std::move(copier));
     pool_.set_far_releaser(&self::release_far_handle, this);
   }
 

@@ -36,11 +36,10 @@ enum class move_outcome {
 /// Moves the handles at `sites` to far memory (`to_far`) or back to the backend's provider, in
 /// two phases, so that the copies can run while the caller goes on:
 ///
-/// - start(copy, stream, wait_copies): new handles are made; with `copy`, the bytes are copied
-///   into them from the home addresses on `stream` (after the work queued there): into far
-///   handles' own homes where far memory keeps them mapped (far_memory::home_of), else through
-///   one temporary range where they are mapped side by side. Nothing the caller sees has
-///   changed yet. Out of memory: out_of_memory, with nothing made. A throw after copies were queued waits for them
+/// - start(copy, stream, wait_copies): new handles are made; with `copy`, they are mapped side by
+///   side in one temporary range and the bytes are copied into it from the home addresses on
+///   `stream` (after the work queued there). Nothing the caller sees has changed yet. Out of
+///   memory: out_of_memory, with nothing made. A throw after copies were queued waits for them
 ///   (`wait_copies()`) before giving the new handles back.
 /// - finish(), once the copies are done: every address of each site is remapped to its new
 ///   handle, the temporary range goes, and the old handles go back (the backend's counted out
@@ -88,13 +87,7 @@ class handle_move {
         }
         made_.push_back(*h);
       }
-      if (copy && to_far_ && far_homes()) {
-        // Far handles mapped at homes of their own: copied into straight, no temporary range.
-        for (std::size_t i = 0; i < sites_.size(); ++i) {
-          copies_queued = true;
-          far_->copy(far_->home_of(made_[i]), at(sites_[i].home), sites_[i].slot->size, stream);
-        }
-      } else if (copy) {
+      if (copy) {
         temp_ = backend_->try_reserve_range(total_);
         if (temp_ == nullptr) {
           release_made();
@@ -211,13 +204,6 @@ class handle_move {
 
  private:
   static void* at(std::uintptr_t a) noexcept { return reinterpret_cast<void*>(a); }
-
-  bool far_homes() const noexcept {
-    for (const handle_type& h : made_) {
-      if (far_->home_of(h) == nullptr) return false;
-    }
-    return true;
-  }
 
   void release_made() noexcept {
     for (std::size_t i = made_.size(); i-- > 0;) {
