@@ -276,3 +276,59 @@ TEST_CASE("allocation_memory: a scheduler's copy streams wait for its stream by 
   a.verify();
   CHECK(gpu.violations() == 0);
 }
+
+TEST_CASE("allocation_memory: memory moved out for another process has left the device when the bytes are given") {
+  // A coordinator's reclaim asks with `settle`: the other process allocates the bytes as soon as
+  // they are reported, so a deferred offload must have completed by then. A local victim's
+  // offload stays deferred (this process's own allocations complete pending moves when short).
+  sim_device gpu(256 * M, 2 * M, 256 * M);
+  testing::event_log log;
+  evented_alloc a{sim_provider(gpu), testing::evented_reserver(gpu, log)};
+  a.attach_far_memory(sim_host_provider(gpu), sim_copier(gpu));
+  using memory = allocation_memory<evented_alloc>;
+  const stream_ref work{std::uintptr_t{1}};
+  std::vector<void*> blocks;
+  std::vector<std::unique_ptr<memory>> memories;
+  for (int i = 0; i < 4; ++i) {
+    blocks.push_back(a.allocate(16 * M, work));
+    memories.push_back(std::make_unique<memory>(a, blocks.back(), 16 * M));
+  }
+  {
+    shared_budget budget(64 * M);
+    step_clock clock;
+    scheduler_options options;
+    options.stream = work;
+    options.moves = move_completion::deferred;
+    workload_scheduler<memory, lru_policy, step_clock> w(budget, "tensors", lru_policy{}, options, clock);
+    std::vector<allocation_id> ids;
+    for (auto& m : memories) ids.push_back(w.manage(*m));
+    w.iteration_begin();
+    for (allocation_id id : ids) {
+      w.will_use(id);
+      clock.ns->fetch_add(100'000);
+    }
+    w.idle();
+    const std::size_t before = gpu.physical_bytes();
+
+    // Local: the offload is queued, its device memory still held.
+    CHECK(budget.move_out(budget_member::ask{}, 16 * M) == 16 * M);
+    CHECK(gpu.physical_bytes() == before);
+    CHECK(a.complete_moves(true) == 1);
+    CHECK(gpu.physical_bytes() == before - 16 * M);
+
+    // For another process: given back to the device before move_out returns.
+    budget_member::ask remote;
+    remote.settle = true;
+    CHECK(budget.move_out(remote, 16 * M) == 16 * M);
+    CHECK(gpu.physical_bytes() == before - 32 * M);
+    CHECK(a.complete_moves(true) == 0);
+    CHECK(budget.used() == 32 * M);
+    for (allocation_id id : ids) w.unmanage(id);
+  }
+  for (void* p : blocks) {
+    if (a.residence_of(p) == residence::host) a.prefetch(p, work);
+    a.deallocate(p, 16 * M, work);
+  }
+  a.verify();
+  CHECK(gpu.violations() == 0);
+}

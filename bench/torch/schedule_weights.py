@@ -18,13 +18,23 @@ its own with glake as PyTorch's allocator:
   glake-overlapped  moves="overlapped": deferred, the copies on the scheduler's two copy streams
          (after the work queued before the move), so that they run beside the layers' compute.
 
+Training only, the other ways of lowering a step's peak, all weights on the device:
+
+  save_on_cpu  the forward pass under torch.autograd.graph.save_on_cpu(pin_memory=True): the
+         activations saved for the backward pass go to pinned host memory and come back;
+  recompute    every layer (Linear + GELU) checkpointed (torch.utils.checkpoint, non-reentrant):
+         only the layers' inputs are kept, each layer runs again in the backward pass;
+  glake-recompute  recompute with glake-overlapped's scheduler (the recomputation's forward
+         pre-hooks bring each layer's weight in before its backward; iterations begun by hand).
+
 Every variant checks its result: the sum of one forward pass's output (and, training, of the
 first layer's weight gradient) after the timed steps, which must equal the baseline's (to 1e-4).
 
 Per variant: step time (median and p10-p90 of --steps steps after --warmup), the allocator's host
 time in driver calls per step by kind (glake_torch.stats; far memory's own calls are not in it),
 the weights' bytes on the device at most (the scheduler's peak_device_bytes; the baseline: all of them), device memory in
-use at the end of each step (cudaMemGetInfo), the scheduler's counters, and the compute/transfer
+use at the end of each step (cudaMemGetInfo), the allocator's peak over the timed steps (bytes
+requested and bytes of device memory held: glake_torch.stats after reset_peak_stats), the scheduler's counters, and the compute/transfer
 ratio of one layer (its forward time on the device against copying its weight at the bus speed
 measured here). Output: one JSON line per run, rounds alternating the variants' order, then a
 table.
@@ -88,14 +98,28 @@ def child(args):
     del host
 
     scheduler = None
+    recompute = args.variant in ("recompute", "glake-recompute")
     if args.variant.startswith("glake"):
-        moves = {"glake": "wait", "glake-deferred": "deferred", "glake-overlapped": "overlapped"}[args.variant]
+        moves = {"glake": "wait", "glake-deferred": "deferred", "glake-overlapped": "overlapped",
+                 "glake-recompute": "overlapped"}[args.variant]
         scheduler = glake_torch.Scheduler(int(args.fraction * weight_bytes), name="schedule_weights", moves=moves)
-        scheduler.attach(model)
+        scheduler.attach(model, backward=not recompute)
+
+    def forward():
+        if recompute:
+            from torch.utils.checkpoint import checkpoint_sequential
+
+            if scheduler is not None:  # checkpoint_sequential calls the layers, not the model's pre-hook
+                scheduler.iteration_begin()
+            return checkpoint_sequential(model, args.layers, x, use_reentrant=False)
+        if args.variant == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                return model(x)
+        return model(x)
 
     def step():
         if args.mode == "train":
-            out = model(x)
+            out = forward()
             out.float().sum().backward()
             for p in model.parameters():
                 p.grad = None
@@ -110,6 +134,7 @@ def child(args):
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             driver_before = glake_torch.stats()
+            glake_torch.reset_peak_stats()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         step()
@@ -119,6 +144,8 @@ def child(args):
             free, total = torch.cuda.mem_get_info()
             in_use.append(total - free)
     driver_after = glake_torch.stats()
+    peaks = {"peak_requested_gib": driver_after["peak_active_bytes"] / GiB,
+             "peak_held_gib": driver_after["peak_reserved_bytes"] / GiB}
     # The allocator's host time in driver calls per timed step, by kind (ms): what the moves cost
     # the launching thread besides their copies.
     driver_ms = {k: (driver_after[f"driver_{k}_ns"] - driver_before[f"driver_{k}_ns"]) / 1e6 / args.steps
@@ -126,7 +153,7 @@ def child(args):
     times.sort()
     # The result, to compare with the baseline's: a wrong weight anywhere changes it.
     if args.mode == "train":
-        out = model(x)
+        out = forward()
         out.float().sum().backward()
         check = [out.float().sum().item(), layers[0].weight.grad.float().sum().item()]
         for p in model.parameters():
@@ -144,7 +171,7 @@ def child(args):
         "in_use_gib": max(in_use) / GiB, "layer_ms": layer_ms, "weight_copy_ms": copy_ms,
         "compute_per_transfer": layer_ms / copy_ms,
         "driver_ms_per_step": driver_ms, "driver_ms_per_step_total": sum(driver_ms.values()),
-        "alloc_conf": os.environ.get("GLAKE_ALLOC_CONF"),
+        "alloc_conf": os.environ.get("GLAKE_ALLOC_CONF"), **peaks,
     }
     if scheduler is not None:
         s = scheduler.stats()
@@ -201,8 +228,8 @@ def main():
             runs.append(run)
             print(json.dumps(run), flush=True)
     print("\n| variant | step ms, median of rounds' medians | vs gpu | weights on device GiB | in use GiB | "
-          "compute/transfer | result as gpu's | driver ms a step |")
-    print("|---|---|---|---|---|---|---|---|")
+          "peak requested GiB | peak held GiB | compute/transfer | result as gpu's | driver ms a step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     base = [r["step_ms"] for r in runs if r["variant"] == "gpu"]
     base_check = next((r["check"] for r in runs if r["variant"] == "gpu"), None)
     for v in variants:
@@ -213,7 +240,8 @@ def main():
         ratio = ms / statistics.median(base) if base else float("nan")
         same = "-" if base_check is None else ("yes" if all(close(r["check"], base_check) for r in mine) else "NO")
         print(f"| {v} | {ms:.1f} | {ratio:.3f} | {max(r['weights_on_device_gib'] for r in mine):.2f} | "
-              f"{max(r['in_use_gib'] for r in mine):.2f} | {mine[0]['compute_per_transfer']:.2f} | {same} | "
+              f"{max(r['in_use_gib'] for r in mine):.2f} | {max(r['peak_requested_gib'] for r in mine):.2f} | "
+              f"{max(r['peak_held_gib'] for r in mine):.2f} | {mine[0]['compute_per_transfer']:.2f} | {same} | "
               f"{statistics.median(r['driver_ms_per_step_total'] for r in mine):.1f} |")
 
 

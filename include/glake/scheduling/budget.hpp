@@ -52,6 +52,9 @@ class budget_member {
     workload_id asker = 0;
     std::uint64_t ticket = 0;                          ///< 0: not waiting
     schedule_time later_than = schedule_time::min();   ///< victims used after this only
+    /// The memory moved out must have left the device when evict returns (deferred moves
+    /// complete first): the bytes go to another process, which allocates them at once.
+    bool settle = false;
   };
   struct victim {
     schedule_time next_use{};

@@ -445,7 +445,10 @@ class coordinated_budget {
         std::size_t freed = 0;
         try {
           const std::uint64_t ticket = r->from_waiters ? 1 : 0;
-          freed = local_->move_out(budget_member::ask{0, ticket, schedule_time::min()}, static_cast<std::size_t>(r->bytes));
+          // Settled: the other process allocates the bytes once this answer arrives, so a
+          // deferred offload must have given its device memory back by then.
+          freed = local_->move_out(budget_member::ask{0, ticket, schedule_time::min(), true},
+                                   static_cast<std::size_t>(r->bytes));
         } catch (const std::exception& e) {
           report(std::string("glake budget: moving memory out for the coordinator failed: ") + e.what());
         }

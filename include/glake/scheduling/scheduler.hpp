@@ -335,6 +335,9 @@ class workload_scheduler final : public budget_member {
     slot& s = slots_[id];
     if (!movable(s, a) || !(policy_.next_use(id, now()) > a.later_than)) return 0;
     offload_now(s);
+    if constexpr (deferring_tiered_memory<Memory>) {
+      if (a.settle) s.memory->settle();  // the device memory is free when the bytes are given
+    }
     s.on_device = false;
     ++stats_.offloads;
     stats_.offloaded_bytes += s.bytes;

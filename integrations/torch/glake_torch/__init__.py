@@ -1112,9 +1112,15 @@ class Scheduler:
         `backward`, its full backward pre-hook) brings its own parameters in before it runs.
         PyTorch refuses full backward hooks on a module whose output is modified in place
         afterwards; backward=False leaves them out (the backward pass then reads what is on the
-        host over the bus). Returns how many tensors it manages."""
+        host over the bus). Returns how many tensors it manages.
+
+        Parameters still in host memory come to this scheduler's device one at a time, each
+        managed as it arrives, so a model larger than the budget loads within it (build the model
+        on the CPU, attach, then move the rest, e.g. model.to("cuda"), and make the optimizer)."""
         count = 0
         for p in model.parameters():
+            if getattr(p, "is_cuda", True) is False:
+                p.data = p.data.to(f"cuda:{self.device}")
             count += bool(self.manage(p))
         self._hooks.append(model.register_forward_pre_hook(lambda module, args: self.iteration_begin()))
         for module in model.modules():

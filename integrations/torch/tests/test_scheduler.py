@@ -9,6 +9,7 @@ Run: ctest -R torch_plugin.python (with the other Python tests)."""
 import os
 import sys
 import unittest
+import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -219,6 +220,64 @@ class SchedulerTest(unittest.TestCase):
         self.assertEqual(s.attach(model, backward=False), 4)
         self.assertTrue(all(len(layer.backward_pre) == 1 for layer in layers))  # no scheduler hook
         self.assertTrue(all(len(layer.forward_pre) == 2 for layer in layers))
+        s.close()
+
+    def test_attach_brings_host_parameters_in_one_at_a_time_within_the_budget(self):
+        test = self
+
+        class HostData:  # a tensor in host memory: to() makes its device copy (glake memory)
+            def __init__(self, nbytes):
+                self.nbytes = nbytes
+
+            def to(self, device):
+                test.assertEqual(device, "cuda:0")
+                return test.block(self.nbytes)
+
+        class Storage:
+            def __init__(self, block):
+                self.block = block
+
+            def data_ptr(self):
+                return self.block[0]
+
+            def nbytes(self):
+                return self.block[1]
+
+        class Param:
+            def __init__(self, nbytes):
+                self.data = HostData(nbytes)
+
+            @property
+            def is_cuda(self):
+                return not isinstance(self.data, HostData)
+
+            def untyped_storage(self):
+                return Storage(self.data)
+
+        class Model:
+            def __init__(self, params):
+                self.params = params
+
+            def parameters(self):
+                return list(self.params)
+
+            def modules(self):
+                return []
+
+            def register_forward_pre_hook(self, fn):
+                return types.SimpleNamespace(remove=lambda: None)
+
+        params = [Param(8 * MiB) for _ in range(6)]  # 48 MiB of weights, a 20 MiB budget
+        model = Model(params)
+        glake_torch.empty_cache(0)
+        glake_torch.reset_peak_stats(0)
+        s = glake_torch.Scheduler(20 * MiB, device=0, name="loading")
+        self.assertEqual(s.attach(model), 6)
+        self.assertTrue(all(p.is_cuda and s.managed(p) for p in params))
+        # The device never held more than the budget and the one parameter arriving.
+        self.assertLessEqual(glake_torch.stats(0)["peak_reserved_bytes"], 28 * MiB)
+        self.assertLessEqual(s.stats()["peak_device_bytes"], 20 * MiB)
+        self.assertEqual(s.stats()["managed_bytes"], 48 * MiB)
         s.close()
 
 
