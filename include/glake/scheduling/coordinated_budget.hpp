@@ -252,7 +252,7 @@ class coordinated_budget {
       if (!is_error(*answer, budget_wire::errc::no_room)) throw_refusal(*answer, bytes, "acquire");
       // Others may take the room made before this asks again: bounded by the deadline.
       if (std::chrono::steady_clock::now() >= deadline ||
-          local_->move_out(budget_member::ask{id, ticket, schedule_time::min()}, bytes) == 0) {
+          local_->move_out(budget_member::ask{id, ticket, schedule_time::min(), true}, bytes) == 0) {
         break;
       }
     }
@@ -273,7 +273,7 @@ class coordinated_budget {
       if (!answer) return local_->try_acquire(id, bytes, later_than);
       if (std::holds_alternative<budget_wire::granted_reply>(*answer)) return mirror(id, *remote, bytes), true;
       if (!is_error(*answer, budget_wire::errc::no_room)) return false;
-      if (round == 0 && local_->move_out(budget_member::ask{id, 0, later_than}, bytes) == 0) return false;
+      if (round == 0 && local_->move_out(budget_member::ask{id, 0, later_than, true}, bytes) == 0) return false;
     }
     return false;
   }
@@ -445,8 +445,8 @@ class coordinated_budget {
         std::size_t freed = 0;
         try {
           const std::uint64_t ticket = r->from_waiters ? 1 : 0;
-          // Settled: the other process allocates the bytes once this answer arrives, so a
-          // deferred offload must have given its device memory back by then.
+          // Settled (as every move_out here): bytes given back to the coordinator may go to
+          // another process at once, so a deferred offload must have freed its device memory.
           freed = local_->move_out(budget_member::ask{0, ticket, schedule_time::min(), true},
                                    static_cast<std::size_t>(r->bytes));
         } catch (const std::exception& e) {
