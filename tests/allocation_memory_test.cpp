@@ -332,3 +332,51 @@ TEST_CASE("allocation_memory: memory moved out for another process has left the 
   a.verify();
   CHECK(gpu.violations() == 0);
 }
+
+TEST_CASE("allocation_memory: a use the device refuses while the budget has room moves the workload's own memory out") {
+  // 64 MiB of device, a 64 MiB budget over four 16 MiB blocks, and 16 MiB the budget does not
+  // see (another allocation): bringing the fourth block in finds the budget with room and the
+  // device full. The workload's unpinned memory goes (relieve), the pinned stays, the use runs.
+  sim_device gpu(64 * M, 2 * M, 256 * M);
+  sim_alloc a{sim_provider(gpu), sim_reserver(gpu)};
+  a.attach_far_memory(sim_host_provider(gpu), sim_copier(gpu));
+  using memory = allocation_memory<sim_alloc>;
+  std::vector<void*> blocks;
+  std::vector<std::unique_ptr<memory>> memories;
+  for (int i = 0; i < 4; ++i) {
+    blocks.push_back(a.allocate(16 * M));
+    memories.push_back(std::make_unique<memory>(a, blocks.back(), 16 * M));
+  }
+  a.offload(blocks[3]);
+  void* outside = a.allocate(16 * M);  // the memory the budget does not see
+  {
+    shared_budget budget(64 * M);
+    step_clock clock;
+    workload_scheduler<memory, lru_policy, step_clock> w(budget, "tensors", lru_policy{}, scheduler_options{}, clock);
+    std::vector<allocation_id> ids;
+    for (auto& m : memories) ids.push_back(w.manage(*m));
+    CHECK(budget.used() == 48 * M);
+    const allocation_id pair[] = {ids[0], ids[3]};
+    w.will_use(std::span<const allocation_id>(pair));
+    CHECK(a.residence_of(blocks[0]) == residence::device);  // pinned: stayed
+    CHECK(a.residence_of(blocks[3]) == residence::device);  // brought in
+    CHECK(w.stats().reliefs == 1);
+    CHECK(budget.used() == 48 * M);  // one block went, one came
+    CHECK(gpu.physical_bytes() <= 64 * M);
+
+    // relieve moves unpinned memory out at once, and never what the operation pins.
+    CHECK(w.relieve(64 * M) == 16 * M);
+    CHECK(a.residence_of(blocks[0]) == residence::device);
+    CHECK(a.residence_of(blocks[3]) == residence::device);
+    CHECK(budget.used() == 32 * M);
+    w.idle();
+    for (allocation_id id : ids) w.unmanage(id);
+  }
+  a.deallocate(outside, 16 * M);
+  for (void* p : blocks) {
+    if (a.residence_of(p) == residence::host) a.prefetch(p);
+    a.deallocate(p, 16 * M);
+  }
+  a.verify();
+  CHECK(gpu.violations() == 0);
+}

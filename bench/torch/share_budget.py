@@ -134,6 +134,10 @@ def child(args):
         result.update(status="oom", error=str(e)[:400])
     except RuntimeError as e:
         result.update(status="oom" if "out of memory" in str(e).lower() else "error", error=str(e)[-800:])
+    if glake_torch is not None:  # where the memory was at the end (or at the failure)
+        s = glake_torch.stats()
+        result["glake_gib"] = {k: s[k] / GiB for k in ("reserved_bytes", "active_bytes", "offloaded_bytes",
+                                                       "peak_reserved_bytes") if k in s}
     result["peak_used_bytes"] = max(samples) if samples else None
     with open(args.result_file, "w") as f:
         json.dump(result, f)
@@ -188,7 +192,7 @@ def steps_ms(r):
 def summary(runs, solo_median):
     """Combined steps per second, per-workload medians, stall and loss checks of one shared phase."""
     ok = [r for r in runs if r["status"] == "ok"]
-    out = {"status": [r["status"] for r in runs]}
+    out = {"status": [r["status"] for r in runs], "glake_gib": [r.get("glake_gib") for r in runs]}
     if len(ok) != len(runs):
         out["errors"] = [r.get("error", "")[-300:] for r in runs if r["status"] != "ok"]
         return out
@@ -271,6 +275,7 @@ def main():
         rnd.update(peak_gib={k: v / GiB for k, v in peaks.items()},
                    managed_gib={k: s["managed_bytes"] / GiB for k, s in solo.items()},
                    solo_median_ms=solo_median, serial_steps_per_s=serial_steps / serial_s,
+                   solo_glake_gib={k: s.get("glake_gib") for k, s in solo.items()},
                    device_cap_gib=cap / GiB, budget_gib=budget / GiB,
                    solo_losses_repeat=all(s["losses"] == solo_losses[k] for k, s in solo.items()))
         if budget <= 0:
@@ -286,7 +291,7 @@ def main():
         for phase in (phases if r % 2 == 0 else list(reversed(phases))):
             if phase == "default":
                 runs = run_phase(args, phase, "default", work)
-                rnd[phase] = {"status": [x["status"] for x in runs],
+                rnd[phase] = {"status": [x["status"] for x in runs], "glake_gib": [x.get("glake_gib") for x in runs],
                               "errors": [x.get("error", "")[-200:] for x in runs if x["status"] != "ok"]}
                 continue
             socket = os.path.join(work, f"budget-{r}-{phase}.sock")
@@ -307,6 +312,7 @@ def main():
                 s["losses_equal_solo"] = [x["losses"] == solo_losses[x["workload"]] for x in runs]
                 s["max_loss_diff"] = max(abs(a - b) for x in runs for a, b in zip(x["losses"], solo_losses[x["workload"]]))
                 s["peak_reserved_gib"] = [x.get("peak_reserved_bytes", 0) / GiB for x in runs]
+                s["reliefs"] = [x["scheduler"].get("reliefs") for x in runs]
                 # The whole device at its fullest, seen from each process (the filler included).
                 s["device_used_peak_gib"] = [x["peak_used_bytes"] / GiB for x in runs]
             rnd[phase] = s

@@ -575,6 +575,23 @@ void copy_text(const std::string& text, char* buffer, std::size_t size) noexcept
   buffer[n] = '\0';
 }
 
+// Schedulers (below) of `device` move unpinned managed memory out until `bytes` went; the bytes
+// moved. For an allocation the device refused.
+std::size_t relieve_schedulers(int device, std::size_t bytes);
+
+// An allocation the device refused retries after the device's schedulers moved managed memory
+// out: memory the budget does not see (activations, another process's) goes before the
+// residence of managed tensors. Throws out_of_memory once nothing more can move.
+void* allocate_relieving(std::size_t size, int device, stream_ref stream) {
+  for (;;) {
+    try {
+      return plugin().allocate_or_throw(size, device, stream);
+    } catch (const out_of_memory&) {
+      if (relieve_schedulers(device, size) == 0) throw;
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -590,7 +607,9 @@ GLAKE_TORCH_API void* glake_malloc(size_t size, int device, CUstream_st* stream)
     }
   }
   try {
-    return plugin().allocate(size, device, stream_ref{stream});
+    void* p = plugin().allocate(size, device, stream_ref{stream});
+    while (p == nullptr && relieve_schedulers(device, size) != 0) p = plugin().allocate(size, device, stream_ref{stream});
+    return p;
   } catch (...) {
     return nullptr;  // only if the plug-in itself could not be made
   }
@@ -614,13 +633,13 @@ GLAKE_TORCH_API void* glake_torch_malloc(size_t size, int device, CUstream_st* s
   // Built against torch's own headers and libc10: out of memory is c10::OutOfMemoryError, which
   // PyTorch raises in Python as torch.cuda.OutOfMemoryError, with glake's message.
   try {
-    return plugin().allocate_or_throw(size, device, stream_ref{stream});
+    return allocate_relieving(size, device, stream_ref{stream});
   } catch (const out_of_memory& e) {
     throw c10::OutOfMemoryError(c10::SourceLocation{__func__, __FILE__, static_cast<std::uint32_t>(__LINE__)},
                                 e.what());
   }
 #else
-  return plugin().allocate_or_throw(size, device, stream_ref{stream});
+  return allocate_relieving(size, device, stream_ref{stream});
 #endif
 }
 
@@ -920,6 +939,17 @@ std::set<torch_plugin::scheduled_workload*>& schedulers() {
   static auto* const s = new std::set<torch_plugin::scheduled_workload*>();
   return *s;
 }
+std::size_t relieve_schedulers(int device, std::size_t bytes) {
+  std::size_t freed = 0;
+  try {
+    std::lock_guard guard(schedulers_mutex());  // held: a scheduler is not destroyed meanwhile
+    for (torch_plugin::scheduled_workload* w : schedulers()) {
+      if (w->device == device && freed < bytes) freed += w->relieve(bytes - freed);
+    }
+  } catch (...) {
+  }
+  return freed;
+}
 torch_plugin::scheduled_workload& scheduler_of(void* handle) {
   std::lock_guard guard(schedulers_mutex());
   auto it = schedulers().find(static_cast<torch_plugin::scheduled_workload*>(handle));
@@ -965,6 +995,7 @@ GLAKE_TORCH_API void* glake_scheduler_create_with(int device, size_t budget_byte
           plugin(), std::move(workload), options, budget_bytes);
     }
     w->resources = std::move(streams);
+    w->device = device;
     std::lock_guard guard(schedulers_mutex());
     schedulers().insert(w.get());
     made = w.release();

@@ -104,7 +104,12 @@ class scheduled_workload {
   /// Every pending (deferred) move of its allocations is complete.
   virtual void settle() = 0;
   virtual scheduler_statistics stats() const = 0;
+  /// Moves unpinned managed memory out (settled) until `bytes` went: an allocation the device
+  /// refused retries then. The bytes moved.
+  virtual std::size_t relieve(std::size_t bytes) = 0;
 
+  /// The device whose allocator holds its blocks.
+  int device = -1;
   /// What must outlive the scheduler, such as the copy streams its options name; released after
   /// it (a base member outlives the derived one's scheduler).
   std::shared_ptr<void> resources;
@@ -113,13 +118,14 @@ class scheduled_workload {
 /// The names of the values glake_scheduler_stats writes, in order.
 inline constexpr const char* scheduler_stat_names =
     "iterations,operations,uses,ready,demand_fetches,prefetches,skipped_prefetches,offloads,offloaded_bytes,"
-    "prefetched_bytes,waits,managed_bytes,device_bytes,peak_device_bytes";
+    "prefetched_bytes,waits,managed_bytes,device_bytes,peak_device_bytes,reliefs";
 
 inline std::size_t write_scheduler_stats(const scheduler_statistics& s, std::uint64_t* values, std::size_t capacity) {
   const std::uint64_t all[] = {s.iterations,      s.operations,       s.uses,         s.ready,
                                s.demand_fetches,  s.prefetches,       s.skipped_prefetches,
                                s.offloads,        s.offloaded_bytes,  s.prefetched_bytes,
-                               s.waits,           s.managed_bytes,    s.device_bytes, s.peak_device_bytes};
+                               s.waits,           s.managed_bytes,    s.device_bytes, s.peak_device_bytes,
+                               s.reliefs};
   for (std::size_t i = 0; i < capacity && i < std::size(all); ++i) values[i] = all[i];
   return std::size(all);
 }
@@ -177,6 +183,7 @@ class scheduled_workload_of final : public scheduled_workload {
   void idle() override { scheduler_->idle(); }
   void settle() override { scheduler_->settle(); }
   scheduler_statistics stats() const override { return scheduler_->stats(); }
+  std::size_t relieve(std::size_t bytes) override { return scheduler_->relieve(bytes); }
 
  private:
   struct entry {

@@ -56,6 +56,7 @@ struct scheduler_statistics {
   std::uint64_t offloaded_bytes = 0;
   std::uint64_t prefetched_bytes = 0; ///< ahead of time and on demand
   std::uint64_t waits = 0;            ///< operations that waited for the budget
+  std::uint64_t reliefs = 0;          ///< allocations moved out because the device itself was full
   std::size_t managed_bytes = 0;      ///< all allocations it manages
   std::size_t device_bytes = 0;       ///< of them on the device now
   std::size_t peak_device_bytes = 0;
@@ -296,6 +297,16 @@ class workload_scheduler final : public budget_member {
     }
   }
 
+  /// Moves this workload's unpinned memory out, furthest next use first, until `bytes` went or
+  /// nothing unpinned is left on the device; the bytes moved. Settled: the device memory is free
+  /// on return. For memory outside the budget that needs the device now, such as an allocation
+  /// the device refused while the budget had room (another process's memory, or this one's
+  /// unmanaged memory, fills it).
+  std::size_t relieve(std::size_t bytes) {
+    std::lock_guard lock(mutex_);
+    return relieve_locked(bytes);
+  }
+
   /// Where the scheduler keeps `id` now: device or host.
   residence residence_of(allocation_id id) const {
     std::lock_guard lock(mutex_);
@@ -332,21 +343,60 @@ class workload_scheduler final : public budget_member {
   std::size_t evict(const ask& a, allocation_id id) override {
     std::unique_lock lock(mutex_, std::try_to_lock);
     if (!lock.owns_lock() || id >= slots_.size()) return 0;
+    return evict_locked(a, id);
+  }
+
+ private:
+  // Under mutex_.
+  std::size_t relieve_locked(std::size_t bytes) {
+    const ask a{id_, 0, schedule_time::min(), true};
+    const schedule_time t = now();
+    std::size_t freed = 0;
+    while (freed < bytes) {
+      std::optional<allocation_id> best;
+      schedule_time furthest = schedule_time::min();
+      for (allocation_id id = 0; id < slots_.size(); ++id) {
+        if (!movable(slots_[id], a)) continue;
+        const schedule_time next = policy_.next_use(id, t);
+        if (!best || next > furthest) {
+          best = id;
+          furthest = next;
+        }
+      }
+      if (!best) break;
+      const std::size_t got = evict_locked(a, *best);
+      if (got == 0) break;
+      freed += got;
+      ++stats_.reliefs;
+    }
+    return freed;
+  }
+
+  // Under mutex_.
+  std::size_t evict_locked(const ask& a, allocation_id id) {
     slot& s = slots_[id];
     if (!movable(s, a) || !(policy_.next_use(id, now()) > a.later_than)) return 0;
     offload_now(s);
-    if constexpr (deferring_tiered_memory<Memory>) {
-      if (a.settle) s.memory->settle();  // the device memory is free when the bytes are given
-    }
     s.on_device = false;
     ++stats_.offloads;
     stats_.offloaded_bytes += s.bytes;
     note_device(-static_cast<std::ptrdiff_t>(s.bytes));
+    if constexpr (deferring_tiered_memory<Memory>) {
+      // The device memory is free before the bytes are given back. The move was queued, so a
+      // failure to complete it still gives them back (the memory's residence says where it is).
+      if (a.settle) {
+        try {
+          s.memory->settle();
+        } catch (...) {
+          budget_.release(id_, s.bytes);
+          throw;
+        }
+      }
+    }
     budget_.release(id_, s.bytes);
     return s.bytes;
   }
 
- private:
   static std::string address(const void* p) {
     char text[32];
     std::snprintf(text, sizeof text, "%p", p);
@@ -450,7 +500,14 @@ class workload_scheduler final : public budget_member {
       std::size_t done = 0;
       try {
         for (allocation_id id : missing) {
-          prefetch_now(slots_[id]);
+          try {
+            prefetch_now(slots_[id]);
+          } catch (const out_of_memory&) {
+            // The budget had room but the device did not: what fills it is outside the budget.
+            // This workload's unpinned memory goes first; the budget keeps its bytes.
+            if (relieve_locked(slots_[id].bytes) == 0) throw;
+            prefetch_now(slots_[id]);
+          }
           ++stats_.demand_fetches;
           done += slots_[id].bytes;
         }

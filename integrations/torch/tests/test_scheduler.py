@@ -280,6 +280,38 @@ class SchedulerTest(unittest.TestCase):
         self.assertEqual(s.stats()["managed_bytes"], 48 * MiB)
         s.close()
 
+    def test_an_allocation_the_device_refuses_moves_managed_memory_out_and_succeeds(self):
+        device = 3  # a simulated device of its own, limited to 40 MiB
+        glake_torch.set_memory_fraction(40 * MiB / (80 << 30), device)
+        try:
+            blocks = []
+            for _ in range(3):
+                ptr = self.lib.glake_malloc(8 * MiB, device, None)
+                self.assertTrue(ptr)
+                blocks.append((ptr, 8 * MiB))
+            s = glake_torch.Scheduler(64 * MiB, device=device, name="relieved")  # the budget has room
+            for b in blocks:
+                s.manage(b)
+            s.will_use(blocks[:1])  # pinned: it stays
+            # 24 MiB managed on the device and 24 more asked for: only moving managed memory out
+            # makes room.
+            outside = self.lib.glake_malloc(24 * MiB, device, None)
+            self.assertTrue(outside)
+            self.assertEqual(glake_torch.residence(blocks[0][0]), "device")
+            self.assertEqual(sum(glake_torch.residence(b[0]) == "host" for b in blocks[1:]), 2)
+            self.assertEqual(s.stats()["reliefs"], 2)
+            # Nothing left to move: the device says no, and nothing is lost.
+            self.assertFalse(self.lib.glake_malloc(24 * MiB, device, None))
+            self.assertEqual(glake_torch.residence(blocks[0][0]), "device")
+            self.lib.glake_free(outside, 24 * MiB, device, None)
+            s.close()
+            for ptr, nbytes in blocks:
+                if glake_torch.residence(ptr) == "host":
+                    glake_torch.prefetch(ptr)
+                self.lib.glake_free(ptr, nbytes, device, None)
+        finally:
+            glake_torch.set_memory_fraction(1.0, device)
+
 
 if __name__ == "__main__":
     unittest.main()
