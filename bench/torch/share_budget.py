@@ -133,7 +133,9 @@ def child(args):
     except torch.OutOfMemoryError as e:
         result.update(status="oom", error=str(e)[:400])
     except RuntimeError as e:
-        result.update(status="oom" if "out of memory" in str(e).lower() else "error", error=str(e)[-800:])
+        text = str(e)
+        result.update(status="oom" if "out of memory" in text.lower() else "error",
+                      error=text if len(text) <= 800 else text[:400] + " ... " + text[-400:])
     if glake_torch is not None:  # where the memory was at the end (or at the failure)
         s = glake_torch.stats()
         result["glake_gib"] = {k: s[k] / GiB for k in ("reserved_bytes", "active_bytes", "offloaded_bytes",
@@ -194,7 +196,7 @@ def summary(runs, solo_median):
     ok = [r for r in runs if r["status"] == "ok"]
     out = {"status": [r["status"] for r in runs], "glake_gib": [r.get("glake_gib") for r in runs]}
     if len(ok) != len(runs):
-        out["errors"] = [r.get("error", "")[-300:] for r in runs if r["status"] != "ok"]
+        out["errors"] = [r.get("error", "")[:600] for r in runs if r["status"] != "ok"]
         return out
     first = min(r["starts"][0] for r in ok)
     last = max(r["ends"][-1] for r in ok)
