@@ -330,14 +330,7 @@ class workload_scheduler final : public budget_member {
   std::optional<victim> offer_victim(const ask& a) override {
     std::unique_lock lock(mutex_, std::try_to_lock);
     if (!lock.owns_lock()) return std::nullopt;
-    const schedule_time t = now();
-    std::optional<victim> best;
-    for (allocation_id id = 0; id < slots_.size(); ++id) {
-      if (!movable(slots_[id], a)) continue;
-      const schedule_time next = policy_.next_use(id, t);
-      if (next > a.later_than && (!best || next > best->next_use)) best = victim{next, slots_[id].bytes, id};
-    }
-    return best;
+    return furthest_locked(a, now());
   }
 
   std::size_t evict(const ask& a, allocation_id id) override {
@@ -353,23 +346,25 @@ class workload_scheduler final : public budget_member {
     const schedule_time t = now();
     std::size_t freed = 0;
     while (freed < bytes) {
-      std::optional<allocation_id> best;
-      schedule_time furthest = schedule_time::min();
-      for (allocation_id id = 0; id < slots_.size(); ++id) {
-        if (!movable(slots_[id], a)) continue;
-        const schedule_time next = policy_.next_use(id, t);
-        if (!best || next > furthest) {
-          best = id;
-          furthest = next;
-        }
-      }
+      const std::optional<victim> best = furthest_locked(a, t);
       if (!best) break;
-      const std::size_t got = evict_locked(a, *best);
+      const std::size_t got = evict_locked(a, best->id);
       if (got == 0) break;
       freed += got;
       ++stats_.reliefs;
     }
     return freed;
+  }
+
+  // Under mutex_: the movable allocation used furthest ahead (after a.later_than), if any.
+  std::optional<victim> furthest_locked(const ask& a, schedule_time t) const {
+    std::optional<victim> best;
+    for (allocation_id id = 0; id < slots_.size(); ++id) {
+      if (!movable(slots_[id], a)) continue;
+      const schedule_time next = policy_.next_use(id, t);
+      if (next > a.later_than && (!best || next > best->next_use)) best = victim{next, slots_[id].bytes, id};
+    }
+    return best;
   }
 
   // Under mutex_.
