@@ -279,7 +279,9 @@ def main():
                    solo_median_ms=solo_median, serial_steps_per_s=serial_steps / serial_s,
                    solo_glake_gib={k: s.get("glake_gib") for k, s in solo.items()},
                    device_cap_gib=cap / GiB, budget_gib=budget / GiB,
-                   solo_losses_repeat=all(s["losses"] == solo_losses[k] for k, s in solo.items()))
+                   # Solo losses against the first round's (the kernels' run-to-run variation);
+                   # nothing to compare in the first round.
+                   solo_losses_repeat=None if r == 0 else all(s["losses"] == solo_losses[k] for k, s in solo.items()))
         if budget <= 0:
             rnd["error"] = "no budget left for the managed weights"
             report["rounds"].append(rnd)
