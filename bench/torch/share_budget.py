@@ -19,6 +19,10 @@ Phases, each workload a process of its own:
   staggered  the same, workload k started --stagger seconds after workload k-1
   default    all started at once on the same cut device with PyTorch's default allocator and no
              scheduler: out of memory expected
+  unlimited  all started at once on the whole device (before the cut), glake as the allocator and no
+             scheduler: what running together gains with no memory limit (the ceiling)
+  partitioned  all started at once on the cut device, each with a scheduler of its own and a local
+             budget of budget / workloads (no coordinator): a static split of the same budget
 
 The coordinator's budget covers what the schedulers manage (the frozen weights of >= 2 MiB); the
 rest of each process (CUDA context, activations, adapters, optimizer) is outside it. So it is the
@@ -93,9 +97,18 @@ def child(args):
         result["managed_bytes"] = sum(p.untyped_storage().nbytes() for p in model.parameters()
                                       if p.untyped_storage().nbytes() >= 2 * MiB)
         scheduler = None
-        if args.socket:
-            scheduler = glake_torch.Scheduler(args.budget, socket=args.socket, name=f"finetune-{args.workload}",
-                                              moves=args.moves)
+        scheduling_s = [0.0]  # host time in the scheduler's hooks
+        if args.socket or args.local:
+            scheduler = glake_torch.Scheduler(args.budget, socket=args.socket or None,
+                                              name=f"finetune-{args.workload}", moves=args.moves)
+            will_use = scheduler.will_use
+
+            def timed_will_use(tensors):
+                t0 = time.perf_counter()
+                will_use(tensors)
+                scheduling_s[0] += time.perf_counter() - t0
+
+            scheduler.will_use = timed_will_use
             # Backward pre-hooks are not needed: the recomputation of each checkpointed layer
             # runs its forward pre-hooks right before its backward.
             result["managed_tensors"] = scheduler.attach(model, backward=False)
@@ -107,7 +120,8 @@ def child(args):
         generator = torch.Generator(device="cuda")
         generator.manual_seed(seed)
         sample()
-        starts, ends, losses = [], [], []
+        starts, ends, losses, hook_s = [], [], [], []
+        driver0 = glake_torch.stats() if glake_torch is not None else {}
         for length in lengths:
             torch.cuda.synchronize()
             starts.append(time.time())
@@ -122,7 +136,13 @@ def child(args):
             sample()
             torch.cuda.synchronize()
             ends.append(time.time())
-        result.update(starts=starts, ends=ends, losses=losses)
+            hook_s.append(scheduling_s[0])
+        result.update(starts=starts, ends=ends, losses=losses,
+                      scheduling_ms=[(b - a) * 1e3 for a, b in zip([0.0] + hook_s, hook_s)])
+        if glake_torch is not None:  # the allocator's host time in driver calls over the steps
+            driver1 = glake_torch.stats()
+            result["driver_ms"] = {(k[len("driver_"):-3] or "all"): (driver1[k] - driver0.get(k, 0)) / 1e6
+                                   for k in driver1 if k.startswith("driver_") and k.endswith("_ns")}
         if scheduler is not None:
             result["scheduler"] = scheduler.stats()
             scheduler.close()
@@ -151,6 +171,8 @@ def launch(args, k, phase, allocator, result_file, socket=None, budget=0):
            "--model", args.model, "--batch", str(args.batch), "--steps", str(args.steps), "--moves", args.moves]
     if socket:
         cmd += ["--socket", socket, "--budget", str(budget)]
+    elif budget:
+        cmd += ["--local", "--budget", str(budget)]
     env = dict(os.environ)
     if allocator == "default":
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
@@ -213,6 +235,26 @@ def summary(runs, solo_median):
     return out
 
 
+def shared_summary(runs, solo_median, rnd, solo_losses):
+    """summary() of a phase under a budget, with the losses against the solo runs', the memory and
+    the host time in the scheduler's hooks and in driver calls per timed step."""
+    s = summary(runs, solo_median)
+    if "steps_per_s" not in s:
+        return s
+    s["vs_serial"] = s["steps_per_s"] / rnd["serial_steps_per_s"]
+    s["losses_equal_solo"] = [x["losses"] == solo_losses[x["workload"]] for x in runs]
+    s["max_loss_diff"] = max(abs(a - b) for x in runs for a, b in zip(x["losses"], solo_losses[x["workload"]]))
+    s["peak_reserved_gib"] = [x.get("peak_reserved_bytes", 0) / GiB for x in runs]
+    s["reliefs"] = [x["scheduler"].get("reliefs") for x in runs]
+    # The whole device at its fullest, seen from each process (the filler included).
+    s["device_used_peak_gib"] = [x["peak_used_bytes"] / GiB for x in runs]
+    s["scheduling_ms_median"] = [statistics.median(x["scheduling_ms"][WARMUP:]) for x in runs]
+    steps = len(runs[0]["starts"])
+    s["driver_ms_per_step"] = [{k: round(v / steps, 1) for k, v in x.get("driver_ms", {}).items() if v / steps >= 1}
+                               for x in runs]
+    return s
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--library", required=True)
@@ -235,6 +277,7 @@ def main():
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
     ap.add_argument("--socket", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--local", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args)
@@ -287,16 +330,27 @@ def main():
             report["rounds"].append(rnd)
             print(json.dumps(rnd), flush=True)
             break
+        if "unlimited" in phases:  # the whole device: the ceiling of running together
+            s = summary(run_phase(args, "unlimited", "glake", work), solo_median)
+            if "steps_per_s" in s:
+                s["vs_serial"] = s["steps_per_s"] / rnd["serial_steps_per_s"]
+            rnd["unlimited"] = s
         # The filler cuts the device to `cap` free bytes.
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info()
         filler = torch.empty(max(free - cap, 0), dtype=torch.uint8, device="cuda")
         rnd["free_after_filler_gib"] = torch.cuda.mem_get_info()[0] / GiB
         for phase in (phases if r % 2 == 0 else list(reversed(phases))):
+            if phase == "unlimited":
+                continue
             if phase == "default":
                 runs = run_phase(args, phase, "default", work)
                 rnd[phase] = {"status": [x["status"] for x in runs], "glake_gib": [x.get("glake_gib") for x in runs],
                               "errors": [x.get("error", "")[-200:] for x in runs if x["status"] != "ok"]}
+                continue
+            if phase == "partitioned":  # a static split: a local budget each, no coordinator
+                runs = run_phase(args, phase, "glake", work, None, budget // args.workloads)
+                rnd[phase] = shared_summary(runs, solo_median, rnd, solo_losses)
                 continue
             socket = os.path.join(work, f"budget-{r}-{phase}.sock")
             coordinator = subprocess.Popen([args.budget_tool, "--socket", socket, "--budget", str(budget), "--quiet"])
@@ -310,16 +364,7 @@ def main():
             finally:
                 coordinator.terminate()
                 coordinator.wait()
-            s = summary(runs, solo_median)
-            if "steps_per_s" in s:
-                s["vs_serial"] = s["steps_per_s"] / rnd["serial_steps_per_s"]
-                s["losses_equal_solo"] = [x["losses"] == solo_losses[x["workload"]] for x in runs]
-                s["max_loss_diff"] = max(abs(a - b) for x in runs for a, b in zip(x["losses"], solo_losses[x["workload"]]))
-                s["peak_reserved_gib"] = [x.get("peak_reserved_bytes", 0) / GiB for x in runs]
-                s["reliefs"] = [x["scheduler"].get("reliefs") for x in runs]
-                # The whole device at its fullest, seen from each process (the filler included).
-                s["device_used_peak_gib"] = [x["peak_used_bytes"] / GiB for x in runs]
-            rnd[phase] = s
+            rnd[phase] = shared_summary(runs, solo_median, rnd, solo_losses)
         del filler
         torch.cuda.empty_cache()
         report["rounds"].append(rnd)
