@@ -397,6 +397,12 @@ TEST_CASE("config: GLAKE_ALLOC_CONF beats GMLake's variables") {
   CHECK(from({{"defragLevel", "5"}, {"GLAKE_ALLOC_CONF", "defrag_level:0"}}).defrag_level == 0);
 }
 
+TEST_CASE("config: far_unmapped is a switch of GLAKE_ALLOC_CONF, off by default") {
+  CHECK_FALSE(config{}.far_unmapped);
+  CHECK(from({{"GLAKE_ALLOC_CONF", "far_unmapped:true"}}).far_unmapped);
+  CHECK_FALSE(from({{"GLAKE_ALLOC_CONF", "far_unmapped:0"}}).far_unmapped);
+}
+
 TEST_CASE("config: malformed environment variables are named") {
   CHECK(contains(env_error({{"fragLimit", "abc"}}),
                  "glake config: environment variable fragLimit='abc' is not a byte count"));

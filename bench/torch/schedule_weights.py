@@ -103,7 +103,7 @@ def child(args):
         moves = {"glake": "wait", "glake-deferred": "deferred", "glake-overlapped": "overlapped",
                  "glake-recompute": "overlapped"}[args.variant]
         scheduler = glake_torch.Scheduler(int(args.fraction * weight_bytes), name="schedule_weights", moves=moves)
-        scheduler.attach(model, backward=not recompute)
+        scheduler.attach(model, backward="outputs" if recompute else True)
 
     def forward():
         if recompute:

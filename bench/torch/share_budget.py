@@ -10,9 +10,10 @@ seed 1234 + k for its weights, lengths and tokens.
 Phases, each workload a process of its own:
 
   solo       each workload alone (glake as PyTorch's allocator, no scheduler), one after the other:
-             the serial baseline, and each one's peak device memory (cudaMemGetInfo sampled after
-             the forward pass, the backward pass and the optimizer step of every step, minus what
-             the device held before it started)
+             the serial baseline, and each one's peak device memory: the allocator's peak
+             reserved bytes plus the most in use outside it (cudaMemGetInfo less the allocator's
+             reserved, sampled after the forward pass, the backward pass and the optimizer step
+             of every step), less what the device held before it started
   together   all started at once, the device cut to --fraction of the summed solo peaks by an
              allocation of this driver's (the filler); each runs glake_torch.Scheduler over its
              frozen weights (socket = the coordinator's, moves = --moves)
@@ -60,6 +61,8 @@ MIN_LEN, MAX_LEN = 64, 1024
 
 
 def child(args):
+    if args.deterministic:  # cuBLAS's reproducible workspaces: equal inputs give equal losses
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     glake_torch = None
     if args.allocator == "glake":
         import glake_torch
@@ -72,13 +75,19 @@ def child(args):
     import peft
     from finetune import CONFIG_CLASSES, MODELS
 
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
     result = {"workload": args.workload, "phase": args.phase, "allocator": args.allocator, "status": "ok"}
     seed = SEED + args.workload
     samples = []
 
+    outside = []  # device memory in use that the allocator does not hold (context, modules, ...)
+
     def sample():
         free, total = torch.cuda.mem_get_info()
         samples.append(total - free)
+        if glake_torch is not None:
+            outside.append(total - free - glake_torch.stats()["reserved_bytes"])
 
     try:
         spec = dict(MODELS[args.model])
@@ -109,9 +118,10 @@ def child(args):
                 scheduling_s[0] += time.perf_counter() - t0
 
             scheduler.will_use = timed_will_use
-            # Backward pre-hooks are not needed: the recomputation of each checkpointed layer
-            # runs its forward pre-hooks right before its backward.
-            result["managed_tensors"] = scheduler.attach(model, backward=False)
+            # The recomputation of each checkpointed layer runs its forward pre-hooks right
+            # before its backward; "outputs" declares the backward's own uses too (needed with
+            # far_unmapped, where memory away is not mapped).
+            result["managed_tensors"] = scheduler.attach(model, backward=args.backward)
         model.to("cuda")
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=1e-4)
@@ -161,6 +171,7 @@ def child(args):
         result["glake_gib"] = {k: s[k] / GiB for k in ("reserved_bytes", "active_bytes", "offloaded_bytes",
                                                        "peak_reserved_bytes") if k in s}
     result["peak_used_bytes"] = max(samples) if samples else None
+    result["peak_outside_bytes"] = max(outside) if outside else None
     with open(args.result_file, "w") as f:
         json.dump(result, f)
 
@@ -168,7 +179,8 @@ def child(args):
 def launch(args, k, phase, allocator, result_file, socket=None, budget=0):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--workload", str(k), "--phase", phase,
            "--allocator", allocator, "--result-file", result_file, "--library", args.library,
-           "--model", args.model, "--batch", str(args.batch), "--steps", str(args.steps), "--moves", args.moves]
+           "--model", args.model, "--batch", str(args.batch), "--steps", str(args.steps), "--moves", args.moves,
+           "--backward", args.backward] + (["--deterministic"] if args.deterministic else [])
     if socket:
         cmd += ["--socket", socket, "--budget", str(budget)]
     elif budget:
@@ -267,6 +279,11 @@ def main():
     ap.add_argument("--margin", type=float, default=0.5, help="GiB kept out of the budget (default 0.5)")
     ap.add_argument("--stagger", type=float, default=10.0, help="seconds between starts in the staggered phase")
     ap.add_argument("--moves", default="overlapped", choices=("wait", "deferred", "overlapped"))
+    ap.add_argument("--backward", default="outputs", type=lambda v: {"true": True, "false": False}.get(v.lower(), v),
+                    help="Scheduler.attach's backward: outputs (default), true or false")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="deterministic kernels (torch.use_deterministic_algorithms, cuBLAS workspaces), so that "
+                         "losses equal the solo runs' bit for bit unless memory was corrupted")
     ap.add_argument("--phases", default="together,staggered,default")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=240)
@@ -292,7 +309,8 @@ def main():
     work = tempfile.mkdtemp(prefix="share_budget-")
     phases = args.phases.split(",")
     report = {"gpu": torch.cuda.get_device_name(), "model": args.model, "batch": args.batch, "steps": args.steps,
-              "workloads": args.workloads, "fraction": args.fraction, "moves": args.moves,
+              "workloads": args.workloads, "fraction": args.fraction, "moves": args.moves, "backward": args.backward,
+              "deterministic": args.deterministic,
               "alloc_conf": os.environ.get("GLAKE_ALLOC_CONF"), "rounds": []}
     solo_losses = {}
     for r in range(args.rounds):
@@ -309,7 +327,12 @@ def main():
             report["rounds"].append(rnd)
             print(json.dumps(rnd), flush=True)
             break
-        peaks = {k: s["peak_used_bytes"] - used0 for k, s in solo.items()}
+        # A workload's peak: what the allocator held at its fullest (the sampled use misses the
+        # peaks inside a pass) plus the most it ever used outside the allocator, less what was in
+        # use before it started; the sampled peak where that is larger.
+        peaks = {k: max(s["peak_used_bytes"], s["peak_reserved_bytes"] + s["peak_outside_bytes"]) - used0
+                 for k, s in solo.items()}
+        rnd["sampled_peak_gib"] = {k: (s["peak_used_bytes"] - used0) / GiB for k, s in solo.items()}
         solo_median = {k: statistics.median(steps_ms(s)) for k, s in solo.items()}
         serial_s = sum(s["ends"][-1] - s["starts"][0] for s in solo.values())
         serial_steps = sum(len(s["starts"]) for s in solo.values())

@@ -65,6 +65,10 @@ struct config {
   int min_handles = 8;                   ///< ... and none above 1/min_handles of its segment:
                                          ///< a handle partly in use cannot be stitched, so more
                                          ///< handles strand less memory, fewer cost fewer calls
+  bool far_unmapped = false;             ///< memory offloaded to far memory is not mapped at
+                                         ///< its addresses while there (far_residence::unmapped:
+                                         ///< cheaper moves, and a use before prefetch faults),
+                                         ///< for callers that bring it back before every use
   std::size_t memory_limit = 0;          ///< most physical bytes held; 0 means no limit
   double stitch_reserve = 2.0;           ///< address space reserved for a new stitched range, as
                                          ///< a multiple of its size: the excess lets the range,
@@ -137,6 +141,7 @@ void for_each_config_field(Config& c, Visitor&& visit) {
   visit(std::string_view{"chunk_size"}, c.chunk_size);
   visit(std::string_view{"max_handle"}, c.max_handle);
   visit(std::string_view{"min_handles"}, c.min_handles);
+  visit(std::string_view{"far_unmapped"}, c.far_unmapped);
   visit(std::string_view{"memory_limit"}, c.memory_limit);
   visit(std::string_view{"stitch_reserve"}, c.stitch_reserve);
   visit(std::string_view{"event_interval_us"}, c.event_interval_us);

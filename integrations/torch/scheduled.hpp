@@ -76,6 +76,7 @@ class plugin_block {
     plugin_->prefetch(data_, stream, when, copies);
   }
   void settle() { plugin_->complete_move(data_); }
+  void settle_on(stream_ref stream) { plugin_->ready_on(data_, stream); }
   void record_stream(stream_ref stream) noexcept { plugin_->record_stream(data_, stream); }
 
  private:

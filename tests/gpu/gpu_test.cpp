@@ -430,6 +430,66 @@ TEST_CASE("gpu: the stitching allocator offloads a block and a stitched block to
   allocator.verify();
 }
 
+TEST_CASE("gpu: far_residence::unmapped moves a block and a stitched block out and back, with their bytes") {
+  REQUIRE(cudaFree(nullptr) == cudaSuccess);
+  config cfg;
+  cfg.frag_limit = 0;
+  cuda_stitching allocator(cuda_provider(0), cuda_reserver(0), cfg);
+  allocator.attach_far_memory(cuda_host_provider(0), cuda_copier{}, far_residence::unmapped);
+  cudaStream_t work = nullptr, copies = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&work, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaStreamCreateWithFlags(&copies, cudaStreamNonBlocking) == cudaSuccess);
+  const stream_ref w{work}, c{copies};
+  void* p = allocator.allocate(256 * M, w);
+  std::vector<void*> blocks;
+  for (int i = 0; i < 8; ++i) blocks.push_back(allocator.allocate(64 * M, w));
+  for (int i = 0; i < 8; i += 2) allocator.deallocate(blocks[i], 64 * M, w);
+  allocator.set_memory_limit(allocator.reserved_bytes());  // only a stitch serves the next one
+  void* stitched = allocator.allocate(256 * M, w);
+  REQUIRE(allocator.stats().stitches >= 1);
+  allocator.set_memory_limit(0);
+  REQUIRE(cudaStreamSynchronize(work) == cudaSuccess);
+  for (int round = 0; round < 3; ++round) {
+    const unsigned char v = static_cast<unsigned char>(90 + 2 * round);
+    // Written by kernels queued behind a long one: the deferred copies wait for them.
+    REQUIRE(gpu_test::spin(100'000'000, work) == cudaSuccess);
+    REQUIRE(gpu_test::fill(p, 256 * M, v, work) == cudaSuccess);
+    REQUIRE(gpu_test::fill(stitched, 256 * M, v + 1, work) == cudaSuccess);
+    const std::size_t free_before = device_free_bytes();
+    allocator.offload(p, w, move_completion::deferred, c);
+    allocator.offload(stitched, w, move_completion::deferred, c);
+    allocator.complete_moves(true);
+    CHECK(allocator.residence_of(p) == residence::host);
+    CHECK(device_free_bytes() >= free_before + 500 * M);
+    // Away, the addresses map nothing: the driver reports no backing there.
+    int mapped = 1;
+    const CUresult r = cuPointerGetAttribute(&mapped, CU_POINTER_ATTRIBUTE_MAPPED, reinterpret_cast<CUdeviceptr>(p));
+    CHECK((r != CUDA_SUCCESS || mapped == 0));
+    // Back with the copies on their own stream; the work stream waits for them by an event
+    // (ready_on), the host does not: a kernel queued at once reads the bytes.
+    REQUIRE(gpu_test::spin(100'000'000, copies) == cudaSuccess);  // the copies start late
+    allocator.prefetch(p, w, move_completion::deferred, c);
+    allocator.ready_on(p, w);
+    CHECK(cudaStreamQuery(copies) == cudaErrorNotReady);  // the call did not wait for them
+    CHECK(mismatches(p, 256 * M, v, work) == 0);
+    allocator.prefetch(stitched, w);
+    allocator.complete_moves(true);
+    CHECK(allocator.stats().offloaded_bytes == 0);
+    CHECK(mismatches(stitched, 256 * M, v + 1) == 0);
+    REQUIRE(cuPointerGetAttribute(&mapped, CU_POINTER_ATTRIBUTE_MAPPED, reinterpret_cast<CUdeviceptr>(p)) == CUDA_SUCCESS);
+    CHECK(mapped == 1);
+    allocator.verify();
+  }
+  allocator.offload(p, w);
+  allocator.deallocate(p, 256 * M, w);  // freed while away
+  allocator.deallocate(stitched, 256 * M, w);
+  for (int i = 1; i < 8; i += 2) allocator.deallocate(blocks[i], 64 * M, w);
+  allocator.verify();
+  REQUIRE(cudaStreamSynchronize(work) == cudaSuccess);
+  REQUIRE(cudaStreamDestroy(work) == cudaSuccess);
+  REQUIRE(cudaStreamDestroy(copies) == cudaSuccess);
+}
+
 TEST_CASE("gpu: deferred moves with copies on a stream of their own start after the work queued before them") {
   REQUIRE(cudaFree(nullptr) == cudaSuccess);
   cuda_stitching allocator(cuda_provider(0), cuda_reserver(0));

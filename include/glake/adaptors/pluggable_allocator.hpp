@@ -543,6 +543,22 @@ class pluggable_allocator {
       s.allocator->complete_move(p);
     });
   }
+  /// Work queued on `stream` from now on may use the allocation at `p` (the allocator's
+  /// ready_on; complete_move where it has none); nothing for a pointer no device's allocator
+  /// holds live.
+  void ready_on(const void* p, stream_ref stream)
+    requires deferring_offloading_allocator<Allocator>
+  {
+    registry_.for_each([&](int device, slot& s) {
+      if (!s.allocator->owns(p)) return;
+      DeviceScope scope(device);
+      if constexpr (requires(Allocator& a) { a.ready_on(p, stream); }) {
+        s.allocator->ready_on(p, stream);
+      } else {
+        s.allocator->complete_move(p);
+      }
+    });
+  }
   /// The bytes offload(p) would move now (the allocator's movable_bytes; 0 for a pointer no
   /// device's allocator holds live, or one in a private pool).
   std::size_t movable_bytes(const void* p)

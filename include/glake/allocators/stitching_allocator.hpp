@@ -326,13 +326,21 @@ class stitching_allocator {
 
   // ------------------------------------------------------------------ offload
   /// Far memory for offload: `host` makes its handles (this allocator's handle type, which its
-  /// reserver maps) and `copier` moves the bytes. config_error when this allocator's handles are
-  /// not multiples of host's granularity; usage_error while an allocation is in the far memory
-  /// attached now.
+  /// reserver maps) and `copier` moves the bytes; `away` says whether memory in far memory stays
+  /// mapped at its allocation's addresses (far_residence; by default as config::far_unmapped
+  /// says). config_error when this allocator's handles are not multiples of host's granularity;
+  /// usage_error while an allocation is in the far memory attached now.
   template <physical_provider Host, byte_copier Copier>
     requires std::same_as<typename Host::handle_type, typename Provider::handle_type> &&
              address_reserver_for<Reserver, Host> && copier_fits_reserver<Copier, Reserver>
   void attach_far_memory(Host host, Copier copier) {
+    attach_far_memory(std::move(host), std::move(copier),
+                      config_.far_unmapped ? far_residence::unmapped : far_residence::mapped);
+  }
+  template <physical_provider Host, byte_copier Copier>
+    requires std::same_as<typename Host::handle_type, typename Provider::handle_type> &&
+             address_reserver_for<Reserver, Host> && copier_fits_reserver<Copier, Reserver>
+  void attach_far_memory(Host host, Copier copier, far_residence away) {
     std::lock_guard guard(lock_);
     if (!moved_.empty() || !pending_.empty()) {
       throw usage_error(usage_error::kind::bad_argument,
@@ -344,8 +352,21 @@ class stitching_allocator {
       throw config_error(std::string(name) + "::attach_far_memory: handles of " + format_bytes(pool_.chunk()) +
                          " are not multiples of the far memory's granularity (" + format_bytes(g) + ")");
     }
-    far_ = std::make_unique<far_memory_of<Host, Copier>>(std::move(host), std::move(copier));
+    if (away == far_residence::unmapped) {
+      // Far handles keep a home mapping of their own (a copy of this reserver maps it): moves
+      // copy straight to and from it.
+      far_ = std::make_unique<far_memory_of<Host, Copier, Reserver>>(std::move(host), std::move(copier),
+                                                                      Reserver(pool_.backend().reserver()));
+    } else {
+      far_ = std::make_unique<far_memory_of<Host, Copier>>(std::move(host), std::move(copier));
+    }
+    away_unmapped_ = away == far_residence::unmapped;
     pool_.set_far_releaser(&self::release_far_handle, this);
+  }
+
+  /// Where memory moved to far memory is kept while there (attach_far_memory's `away`).
+  far_residence far_residence_of_moves() const noexcept {
+    return away_unmapped_ ? far_residence::unmapped : far_residence::mapped;
   }
 
   /// Moves the memory of the live allocation at `p` to far memory, ordered on `stream`: every
@@ -354,7 +375,8 @@ class stitching_allocator {
   /// streams given to record_stream has completed, then mapped in its place, at every address
   /// that maps it; the device handle goes back to the backend (reserved_bytes falls, the device
   /// has it again). The pointer stays valid; device code reads and writes far memory through it
-  /// (slowly). Bytes in handles it shares with neighbouring blocks stay on the device. Cached
+  /// (slowly), unless far memory was attached with far_residence::unmapped: then the addresses
+  /// are unmapped until prefetch(p) (or a free) and a use faults. Bytes in handles it shares with neighbouring blocks stay on the device. Cached
   /// stitched ranges over its memory are dropped. All or nothing: out_of_memory when far memory
   /// runs out; usage_error for a pointer that is not a live allocation of at least one whole
   /// handle, one offloaded already, no far memory attached, memory retained (retain_memory), or
@@ -407,6 +429,32 @@ class stitching_allocator {
     std::lock_guard guard(lock_);
     if constexpr (has_events) {
       if (auto it = pending_.find(reinterpret_cast<std::uintptr_t>(p)); it != pending_.end()) complete_pending(it, true);
+    }
+  }
+
+  /// Work queued on `stream` from this call on may use the allocation at `p`: its deferred
+  /// move, if any, is complete for that work. A move that needs nothing after its copies but
+  /// giving old memory back (a prefetch with far_residence::unmapped: its device memory is
+  /// mapped from the start) is not waited for: `stream` waits for the copies (an event wait,
+  /// stream_joining_reserver) and the move completes at a later call. Any other completes now,
+  /// as complete_move(p). Such a move is never undone afterwards: an offload or a free of p
+  /// completes it first.
+  void ready_on(const void* p, stream_ref stream) {
+    std::lock_guard guard(lock_);
+    if constexpr (has_events) {
+      const auto it = pending_.find(reinterpret_cast<std::uintptr_t>(p));
+      if (it == pending_.end()) return;
+      if constexpr (stream_joining_reserver<Reserver>) {
+        if (away_unmapped_ && !it->second.move->to_far()) {
+          clocks_.events().join(stream, it->second.copied);
+          it->second.joined = true;
+          return;
+        }
+      }
+      complete_pending(it, true);
+    } else {
+      (void)p;
+      (void)stream;
     }
   }
 
@@ -771,8 +819,9 @@ class stitching_allocator {
     if (p == nullptr) return;
     if constexpr (has_events) {
       if (!pending_.empty()) {
-        // A move of it still copying is undone first: the memory stays where it was.
-        if (auto it = pending_.find(reinterpret_cast<std::uintptr_t>(p)); it != pending_.end()) cancel_pending(it);
+        // A move of it still copying is undone first: the memory stays where it was (one that
+        // work may use already, ready_on, completes instead).
+        if (auto it = pending_.find(reinterpret_cast<std::uintptr_t>(p)); it != pending_.end()) undo_pending(it);
         complete_ready(false);
       }
     }
@@ -907,9 +956,24 @@ class stitching_allocator {
 
   void release_everything() noexcept {
     if constexpr (has_events) {
-      while (!pending_.empty()) cancel_pending(pending_.begin());
+      while (!pending_.empty()) undo_pending(pending_.begin());
       finish_deferred(true);
       clocks_.synchronize_all();
+    }
+    if (away_unmapped_) {
+      // Allocations still away (leaked) have unmapped addresses: their far handles are mapped
+      // there again, so that giving the segments and ranges back unmaps what is mapped.
+      for (auto& [address, m] : moved_) {
+        for (const site_type& site : m.sites) {
+          for (const std::uintptr_t at : {site.home, site.range}) {
+            if (at == 0) continue;
+            try {
+              pool_.backend().try_map_handle(reinterpret_cast<void*>(at), site.slot->size, site.slot->handle);
+            } catch (...) {
+            }
+          }
+        }
+      }
     }
     if constexpr (stitches) stitcher_.release_all();
     small_.release_free_segments(~std::size_t{0});
@@ -1024,7 +1088,7 @@ class stitching_allocator {
         events.recycle(e);
       }
     };
-    return detail::move_handles(pool_.backend(), *far_, sites, to_far, copy, stream, wait_copies);
+    return detail::move_handles(pool_.backend(), *far_, sites, to_far, copy, stream, wait_copies, away_unmapped_);
   }
 
   void move_locked(const char* what, void* p, stream_ref stream, bool to_far, move_completion when,
@@ -1048,9 +1112,13 @@ class stitching_allocator {
                                   (to_far ? " is offloaded already (its move is pending)"
                                           : " is not offloaded (it is coming back to the device)"));
           }
-          // The opposite of a pending move: undone once its copies are done, nothing copied back.
-          cancel_pending(pit);
-          return;
+          if (!pit->second.joined) {
+            // The opposite of a pending move: undone once its copies are done, nothing copied back.
+            cancel_pending(pit);
+            return;
+          }
+          // Work may use the memory already (ready_on): the move completes, then this one runs.
+          complete_pending(pit, true);
         }
         complete_ready(false);
       }
@@ -1143,6 +1211,7 @@ class stitching_allocator {
     std::unique_ptr<move_type> move;
     typename events_type::event_type copied{};  // recorded after the copies
     typename moved_map::node_type record;       // an offload's entry in moved_, made up front
+    bool joined = false;                        // a stream waits for its copies (ready_on)
   };
   using pending_map = std::map<std::uintptr_t, pending_move>;
 
@@ -1158,7 +1227,8 @@ class stitching_allocator {
         events.wait(e);
         events.recycle(e);
       };
-      auto move = std::make_unique<move_type>(pool_.backend(), *far_, std::span<const site_type>(sites), to_far);
+      auto move =
+          std::make_unique<move_type>(pool_.backend(), *far_, std::span<const site_type>(sites), to_far, away_unmapped_);
       const auto start = [&] {
         if constexpr (stream_joining_reserver<Reserver>) {
           if (copies != stream) {
@@ -1242,6 +1312,15 @@ class stitching_allocator {
     } else {
       counters_.on_move_in(bytes);
       moved_.erase(address);
+    }
+  }
+
+  // Undoes a pending move, or completes one that work may be using already (ready_on).
+  void undo_pending(typename pending_map::iterator it) noexcept {
+    if (it->second.joined) {
+      complete_pending(it, true);
+    } else {
+      cancel_pending(it);
     }
   }
 
@@ -1373,6 +1452,7 @@ class stitching_allocator {
   config config_;
   [[no_unique_address]] Admission admission_;
   detail::usage_counters counters_;
+  bool away_unmapped_ = false;  ///< far_residence::unmapped
   std::unique_ptr<far_type> far_;  ///< before pool_: a segment given back releases its far handles
   pool_type pool_;
   std::size_t large_round_;  ///< large_round_to, or the chunk size

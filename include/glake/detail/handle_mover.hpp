@@ -54,13 +54,25 @@ enum class move_outcome {
 /// Cost: per site a create, one or two unmaps, maps and accesses, a release; with `copy` a map
 /// and an unmap more and one copy; one reservation. The sites' slots must stay where they are
 /// until the move is finished or abandoned.
+///
+/// Unmapped away (`away_unmapped`): memory in far memory is not mapped at the sites' addresses
+/// at all (its user brings it back before any use). Then:
+/// - to far memory: start copies into the far handles' own homes (far_memory::home_of; through
+///   a temporary range where one has none); finish only unmaps the sites' addresses and releases
+///   the device handles, so it cannot fail.
+/// - back: start maps the new device handles at the sites' addresses (out of memory: nothing
+///   changed) and copies into them from the far handles' homes; finish only releases the far
+///   handles; abandon unmaps the addresses again.
+/// Per site that is a copy, a create, a map, an access, an unmap and a release in all: no
+/// mapping of far memory and no access setting over it per move.
 template <class Backend, class Slot>
 class handle_move {
  public:
   using handle_type = typename Backend::handle_type;
 
-  handle_move(Backend& backend, far_memory<handle_type>& far, std::span<const handle_site<Slot>> sites, bool to_far)
-      : backend_(&backend), far_(&far), sites_(sites.begin(), sites.end()), to_far_(to_far) {
+  handle_move(Backend& backend, far_memory<handle_type>& far, std::span<const handle_site<Slot>> sites, bool to_far,
+              bool away_unmapped = false)
+      : backend_(&backend), far_(&far), sites_(sites.begin(), sites.end()), to_far_(to_far), unmapped_(away_unmapped) {
     for (const handle_site<Slot>& s : sites_) total_ += s.slot->size;
   }
   handle_move(const handle_move&) = delete;
@@ -87,7 +99,39 @@ class handle_move {
         }
         made_.push_back(*h);
       }
-      if (copy) {
+      if (unmapped_) {
+        if (!to_far_ && !map_sites()) {
+          release_made();
+          return move_outcome::out_of_memory;
+        }
+        if (copy) {
+          // The far side of each site: its far handle's home, or a temporary range over them all.
+          std::vector<void*> far_at(sites_.size(), nullptr);
+          bool homes = true;
+          for (std::size_t i = 0; i < sites_.size() && homes; ++i) {
+            far_at[i] = far_->home_of(to_far_ ? made_[i] : sites_[i].slot->handle);
+            homes = far_at[i] != nullptr;
+          }
+          if (!homes) {
+            if (!map_temp(to_far_)) {
+              if (!to_far_) unmap_sites();
+              release_made();
+              return move_outcome::out_of_memory;
+            }
+            std::size_t off = 0;
+            for (std::size_t i = 0; i < sites_.size(); off += sites_[i++].slot->size) far_at[i] = static_cast<char*>(temp_) + off;
+          }
+          for (std::size_t i = 0; i < sites_.size(); ++i) {
+            copies_queued = true;
+            void* home = at(sites_[i].home);
+            if (to_far_) {
+              far_->copy(far_at[i], home, sites_[i].slot->size, stream);
+            } else {
+              far_->copy(home, far_at[i], sites_[i].slot->size, stream);
+            }
+          }
+        }
+      } else if (copy) {
         temp_ = backend_->try_reserve_range(total_);
         if (temp_ == nullptr) {
           release_made();
@@ -116,6 +160,7 @@ class handle_move {
         }
       }
       drop_temp();
+      unmap_sites();
       release_made();
       throw;
     }
@@ -123,6 +168,20 @@ class handle_move {
   }
 
   move_outcome finish() {
+    if (unmapped_) {
+      // Out: the addresses go unmapped (the device handles are released below). Back: they map
+      // the new handles since start.
+      if (to_far_) {
+        for (const handle_site<Slot>& s : sites_) {
+          backend_->unmap_handle(at(s.home), s.slot->size);
+          if (s.range != 0) backend_->unmap_handle(at(s.range), s.slot->size);
+        }
+      }
+      sites_mapped_ = 0;
+      drop_temp();
+      hand_over();
+      return move_outcome::moved;
+    }
     // Remapping, site by site: sites [0, done) map their new handle at every address; site
     // `done` is at `stage`: 0 untouched, 1 home unmapped, 2 home maps the new handle, 3 and
     // its range address unmapped.
@@ -183,6 +242,21 @@ class handle_move {
       throw;
     }
     drop_temp();
+    hand_over();
+    return move_outcome::moved;
+  }
+
+  void abandon() noexcept {
+    drop_temp();
+    unmap_sites();
+    release_made();
+  }
+
+ private:
+  static void* at(std::uintptr_t a) noexcept { return reinterpret_cast<void*>(a); }
+
+  // The old handles go, the slots hold the new ones.
+  void hand_over() noexcept {
     for (std::size_t i = 0; i < sites_.size(); ++i) {
       Slot& slot = *sites_[i].slot;
       if (slot.far) {
@@ -194,16 +268,53 @@ class handle_move {
       slot.far = to_far_;
     }
     made_.clear();
-    return move_outcome::moved;
   }
 
-  void abandon() noexcept {
-    drop_temp();
-    release_made();
+  // Unmapped away, coming back: the new handles mapped at every address of their sites; false
+  // (nothing left mapped) when a mapping cannot be had.
+  bool map_sites() {
+    const auto map_one = [&](std::uintptr_t a, std::size_t i) {
+      return backend_->try_map_handle(at(a), sites_[i].slot->size, made_[i]);
+    };
+    try {
+      for (; sites_mapped_ < sites_.size(); ++sites_mapped_) {
+        const handle_site<Slot>& s = sites_[sites_mapped_];
+        if (!map_one(s.home, sites_mapped_)) break;
+        if (s.range != 0 && !map_one(s.range, sites_mapped_)) {
+          backend_->unmap_handle(at(s.home), s.slot->size);
+          break;
+        }
+      }
+    } catch (...) {
+      unmap_sites();
+      throw;
+    }
+    if (sites_mapped_ == sites_.size()) return true;
+    unmap_sites();
+    return false;
+  }
+  void unmap_sites() noexcept {
+    for (std::size_t i = 0; i < sites_mapped_; ++i) {
+      backend_->unmap_handle(at(sites_[i].home), sites_[i].slot->size);
+      if (sites_[i].range != 0) backend_->unmap_handle(at(sites_[i].range), sites_[i].slot->size);
+    }
+    sites_mapped_ = 0;
   }
 
- private:
-  static void* at(std::uintptr_t a) noexcept { return reinterpret_cast<void*>(a); }
+  // The far side mapped side by side in one temporary range: the new handles (out) or the
+  // sites' own (back); false (nothing left) when the range or a mapping cannot be had.
+  bool map_temp(bool new_handles) {
+    temp_ = backend_->try_reserve_range(total_);
+    if (temp_ == nullptr) return false;
+    for (std::size_t off = 0; temp_mapped_ < sites_.size(); off += sites_[temp_mapped_++].slot->size) {
+      const handle_type& h = new_handles ? made_[temp_mapped_] : sites_[temp_mapped_].slot->handle;
+      if (!backend_->try_map_handle(static_cast<char*>(temp_) + off, sites_[temp_mapped_].slot->size, h)) {
+        drop_temp();
+        return false;
+      }
+    }
+    return true;
+  }
 
   void release_made() noexcept {
     for (std::size_t i = made_.size(); i-- > 0;) {
@@ -230,6 +341,8 @@ class handle_move {
   far_memory<handle_type>* far_;
   std::vector<handle_site<Slot>> sites_;
   bool to_far_;
+  bool unmapped_;
+  std::size_t sites_mapped_ = 0;  // unmapped away, coming back: sites whose addresses map made_
   std::size_t total_ = 0;
   std::vector<handle_type> made_;
   void* temp_ = nullptr;
@@ -240,8 +353,8 @@ class handle_move {
 template <class Backend, class Slot, class WaitCopies>
 move_outcome move_handles(Backend& backend, far_memory<typename Backend::handle_type>& far,
                           std::span<const handle_site<Slot>> sites, bool to_far, bool copy, stream_ref stream,
-                          WaitCopies&& wait_copies) {
-  handle_move<Backend, Slot> move(backend, far, sites, to_far);
+                          WaitCopies&& wait_copies, bool away_unmapped = false) {
+  handle_move<Backend, Slot> move(backend, far, sites, to_far, away_unmapped);
   if (move.start(copy, stream, wait_copies) == move_outcome::out_of_memory) return move_outcome::out_of_memory;
   if (copy) {
     try {

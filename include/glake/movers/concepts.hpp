@@ -92,6 +92,10 @@ concept tiered_memory = requires(M& m, const M& cm, std::size_t offset, std::siz
 // | m.settle()                 | void    | driver_error          | every deferred move of m is
 // |                            |         |                       | complete (waits for its copies);
 // |                            |         |                       | the memory may be used
+//
+// Optional: m.settle_on(s), after which work queued on s may use the memory; a move that needs
+// nothing but its copies may then be waited for by s (an event wait) rather than by the host.
+// A scheduler uses it where present, settle() otherwise.
 // ---------------------------------------------------------------------------------------------
 template <class M>
 concept deferring_tiered_memory =

@@ -33,6 +33,7 @@ namespace glake {
 // | m.offload(off, n, s,  | a.offload(p, s, w) (a deferring | as offload
 // |   w), prefetch too    | offloading allocator only)      |
 // | m.settle()            | a.complete_move(p)              | A's
+// | m.settle_on(s)        | a.ready_on(p, s), if A has it   | A's
 //
 // What an allocator moves: the stitching allocator moves the allocation's whole handles; bytes in
 // a handle it shares with a neighbouring block stay on the device (at most two handles' worth, at
@@ -107,6 +108,13 @@ class allocation_memory {
     requires deferring_offloading_allocator<A>
   {
     allocator_->complete_move(data_);
+  }
+  /// Work queued on `stream` from now on may use the allocation (A's ready_on: a move that
+  /// needs only its copies is waited for by the stream, not by the host).
+  void settle_on(stream_ref stream)
+    requires deferring_offloading_allocator<A> && requires(A& a, const void* q, stream_ref s) { a.ready_on(q, s); }
+  {
+    allocator_->ready_on(data_, stream);
   }
 
   void record_stream(stream_ref stream) noexcept {

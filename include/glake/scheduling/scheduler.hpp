@@ -263,9 +263,16 @@ class workload_scheduler final : public budget_member {
     budget_.changed();  // the previous operation's memory may move now
     if constexpr (deferring_tiered_memory<Memory>) {
       if (options_.moves == move_completion::deferred) {
-        // What the operation uses must be where it is going before the work is queued.
+        // What the operation uses must be where it is going before the work is queued on the
+        // scheduler's stream (which may wait for copies itself, settle_on).
         std::lock_guard lock(mutex_);
-        for (allocation_id id : op_) slots_[id].memory->settle();
+        for (allocation_id id : op_) {
+          if constexpr (requires(Memory& m) { m.settle_on(options_.stream); }) {
+            slots_[id].memory->settle_on(options_.stream);
+          } else {
+            slots_[id].memory->settle();
+          }
+        }
       }
     }
   }

@@ -1111,8 +1111,12 @@ class Scheduler:
         on the model begins an iteration, and each module's forward pre-hook (and, with
         `backward`, its full backward pre-hook) brings its own parameters in before it runs.
         PyTorch refuses full backward hooks on a module whose output is modified in place
-        afterwards; backward=False leaves them out (the backward pass then reads what is on the
-        host over the bus). Returns how many tensors it manages.
+        afterwards; backward="outputs" hooks the gradient of each module's first output that
+        requires one instead (a forward hook registers it; it fires before the module's backward
+        runs, also when the output was modified in place or the module is recomputed by
+        activation checkpointing). backward=False leaves the backward pass out: it then reads
+        what is on the host over the bus, which memory offloaded with far_unmapped does not
+        allow. Returns how many tensors it manages.
 
         Parameters still in host memory come to this scheduler's device one at a time, each
         managed as it arrives, so a model larger than the budget loads within it (build the model
@@ -1128,10 +1132,21 @@ class Scheduler:
             if not own:
                 continue
             self._hooks.append(module.register_forward_pre_hook(lambda m, args, own=own: self.will_use(own)))
-            if backward and hasattr(module, "register_full_backward_pre_hook"):
+            if backward == "outputs":
+                self._hooks.append(module.register_forward_hook(
+                    lambda m, args, output, own=own: self._hook_gradient(output, own)))
+            elif backward and hasattr(module, "register_full_backward_pre_hook"):
                 self._hooks.append(module.register_full_backward_pre_hook(
                     lambda m, grad_output, own=own: self.will_use(own)))
         return count
+
+    def _hook_gradient(self, output, own):
+        # The first tensor of the output that takes part in autograd: its gradient's hook brings
+        # the module's parameters in before the module's backward runs.
+        for t in output if isinstance(output, (tuple, list)) else (output,):
+            if getattr(t, "requires_grad", False) and hasattr(t, "register_hook"):
+                t.register_hook(lambda grad, own=own: self.will_use(own))
+                return
 
     def close(self):
         """Removes the hooks, brings every managed tensor back to the device and stops managing it,

@@ -222,6 +222,43 @@ class SchedulerTest(unittest.TestCase):
         self.assertTrue(all(len(layer.forward_pre) == 2 for layer in layers))
         s.close()
 
+        # backward="outputs": each layer's output gets a gradient hook as the layer runs forward;
+        # the gradient's arrival (the backward pass) brings the layer's weight in.
+        class Output:
+            def __init__(self):
+                self.requires_grad, self.hooks = True, []
+
+            def register_hook(self, fn):
+                self.hooks.append(fn)
+
+        class Plain:  # no gradient: not hooked
+            requires_grad = False
+
+        for layer in layers:
+            layer.forward_post = []
+            layer.register_forward_hook = lambda fn, layer=layer: (
+                layer.forward_post.append(fn), Hook(layer.forward_post, fn))[1]
+            layer.backward_pre = []
+        s = glake_torch.Scheduler(20 * MiB, device=0, name="outputs")
+        self.assertEqual(s.attach(model, backward="outputs"), 4)
+        self.assertTrue(all(layer.backward_pre == [] for layer in layers))  # no full backward hooks
+        for _ in range(3):
+            outputs = []
+            model.forward()
+            for layer in layers:
+                out = (Plain(), Output())
+                for fn in layer.forward_post:
+                    fn(layer, (), out)
+                self.assertEqual(len(out[1].hooks), 1)
+                outputs.append((layer, out[1]))
+            for layer, out in reversed(outputs):
+                for fn in out.hooks:
+                    fn(None)
+                self.assertEqual(glake_torch.residence(layer.params[0][0]), "device")
+        self.assertEqual(s.stats()["uses"], 3 * 8)  # four forward and four backward uses a step
+        s.close()
+        self.assertTrue(all(layer.forward_post == [] for layer in layers))
+
     def test_attach_brings_host_parameters_in_one_at_a_time_within_the_budget(self):
         test = self
 
