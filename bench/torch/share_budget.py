@@ -75,6 +75,11 @@ def child(args):
     import peft
     from finetune import CONFIG_CLASSES, MODELS
 
+    import warnings
+
+    caught = warnings.catch_warnings(record=True)
+    seen_warnings = caught.__enter__()
+    warnings.simplefilter("always")
     if args.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
     result = {"workload": args.workload, "phase": args.phase, "allocator": args.allocator, "status": "ok"}
@@ -97,7 +102,7 @@ def child(args):
         # or under a scheduler one parameter at a time within the budget.
         torch.manual_seed(seed)
         torch.set_default_dtype(torch.bfloat16)
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=args.attention)
         torch.set_default_dtype(torch.float32)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
@@ -170,6 +175,7 @@ def child(args):
         s = glake_torch.stats()
         result["glake_gib"] = {k: s[k] / GiB for k in ("reserved_bytes", "active_bytes", "offloaded_bytes",
                                                        "peak_reserved_bytes") if k in s}
+    result["warnings"] = sorted({str(w.message)[:300] for w in seen_warnings})
     result["peak_used_bytes"] = max(samples) if samples else None
     result["peak_outside_bytes"] = max(outside) if outside else None
     with open(args.result_file, "w") as f:
@@ -180,7 +186,7 @@ def launch(args, k, phase, allocator, result_file, socket=None, budget=0):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--workload", str(k), "--phase", phase,
            "--allocator", allocator, "--result-file", result_file, "--library", args.library,
            "--model", args.model, "--batch", str(args.batch), "--steps", str(args.steps), "--moves", args.moves,
-           "--backward", args.backward] + (["--deterministic"] if args.deterministic else [])
+           "--backward", args.backward, "--attention", args.attention] + (["--deterministic"] if args.deterministic else [])
     if socket:
         cmd += ["--socket", socket, "--budget", str(budget)]
     elif budget:
@@ -255,6 +261,8 @@ def shared_summary(runs, solo_median, rnd, solo_losses):
         return s
     s["vs_serial"] = s["steps_per_s"] / rnd["serial_steps_per_s"]
     s["losses_equal_solo"] = [x["losses"] == solo_losses[x["workload"]] for x in runs]
+    s["losses"] = [x["losses"] for x in runs]
+    s["warnings"] = sorted({w for x in runs for w in x.get("warnings", [])})
     s["max_loss_diff"] = max(abs(a - b) for x in runs for a, b in zip(x["losses"], solo_losses[x["workload"]]))
     s["peak_reserved_gib"] = [x.get("peak_reserved_bytes", 0) / GiB for x in runs]
     s["reliefs"] = [x["scheduler"].get("reliefs") for x in runs]
@@ -284,6 +292,8 @@ def main():
     ap.add_argument("--deterministic", action="store_true",
                     help="deterministic kernels (torch.use_deterministic_algorithms, cuBLAS workspaces), so that "
                          "losses equal the solo runs' bit for bit unless memory was corrupted")
+    ap.add_argument("--attention", default="sdpa", choices=("sdpa", "eager"),
+                    help="the models' attention; SDPA's backward kernels are not deterministic, eager's are")
     ap.add_argument("--phases", default="together,staggered,default")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=240)
@@ -310,7 +320,7 @@ def main():
     phases = args.phases.split(",")
     report = {"gpu": torch.cuda.get_device_name(), "model": args.model, "batch": args.batch, "steps": args.steps,
               "workloads": args.workloads, "fraction": args.fraction, "moves": args.moves, "backward": args.backward,
-              "deterministic": args.deterministic,
+              "deterministic": args.deterministic, "attention": args.attention,
               "alloc_conf": os.environ.get("GLAKE_ALLOC_CONF"), "rounds": []}
     solo_losses = {}
     for r in range(args.rounds):
@@ -344,6 +354,8 @@ def main():
                    managed_gib={k: s["managed_bytes"] / GiB for k, s in solo.items()},
                    solo_median_ms=solo_median, serial_steps_per_s=serial_steps / serial_s,
                    solo_glake_gib={k: s.get("glake_gib") for k, s in solo.items()},
+                   solo_losses={k: s["losses"] for k, s in solo.items()},
+                   solo_warnings=sorted({w for s in solo.values() for w in s.get("warnings", [])}),
                    device_cap_gib=cap / GiB, budget_gib=budget / GiB,
                    # Solo losses against the first round's (the kernels' run-to-run variation);
                    # nothing to compare in the first round.
