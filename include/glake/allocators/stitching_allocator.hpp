@@ -965,7 +965,8 @@ class stitching_allocator {
       // there again, so that giving the segments and ranges back unmaps what is mapped.
       for (auto& [address, m] : moved_) {
         for (const site_type& site : m.sites) {
-          for (const std::uintptr_t at : {site.home, site.range}) {
+          const std::uintptr_t addresses[] = {site.home, site.range};
+          for (const std::uintptr_t at : addresses) {
             if (at == 0) continue;
             try {
               pool_.backend().try_map_handle(reinterpret_cast<void*>(at), site.slot->size, site.slot->handle);

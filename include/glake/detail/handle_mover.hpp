@@ -280,7 +280,14 @@ class handle_move {
       for (; sites_mapped_ < sites_.size(); ++sites_mapped_) {
         const handle_site<Slot>& s = sites_[sites_mapped_];
         if (!map_one(s.home, sites_mapped_)) break;
-        if (s.range != 0 && !map_one(s.range, sites_mapped_)) {
+        bool range_mapped = s.range == 0;
+        try {
+          if (!range_mapped) range_mapped = map_one(s.range, sites_mapped_);
+        } catch (...) {
+          backend_->unmap_handle(at(s.home), s.slot->size);
+          throw;
+        }
+        if (!range_mapped) {
           backend_->unmap_handle(at(s.home), s.slot->size);
           break;
         }
