@@ -1,6 +1,7 @@
 // libFuzzer target: bytes decoded into a stream of allocator operations (allocate, deallocate,
 // record_stream, release_cached, injected driver faults, completed events, memory limits set at
-// run time, offload and prefetch of live blocks to far memory) on the host and simulated
+// run time, offload and prefetch of live blocks to far memory, read-only marks that keep a
+// block's far copy) on the host and simulated
 // backends, with verify(), the statistics and every live block's contents checked.
 //
 // The first byte picks one of the compositions in `run_one` (stitching, caching and segregator
@@ -362,6 +363,22 @@ void run_operations(Allocator& allocator, World& world, byte_reader& in) {
             check_block(b);
             break;
           }
+          // With 0x40: mark a live block read-only, or unmark it (keep_far_copy). Blocks are
+          // written only when allocated, so a kept far copy is always the block's bytes.
+          if constexpr (far_copy_keeping_allocator<Allocator>) {
+            if ((op & 0x40) && !live.empty()) {
+              const std::uint8_t which = in.byte();
+              live_block& b = live[which % live.size()];
+              try {
+                allocator.keep_far_copy(b.p, (which & 0x80) == 0);
+              } catch (const usage_error& e) {
+                const std::string what = e.what();
+                GLAKE_FUZZ_CHECK(what.find("not a live large allocation") != std::string::npos, step);
+              }
+              check_block(b);
+              break;
+            }
+          }
         }
         for (const auto& b : live) check_block(b);
         break;
@@ -402,6 +419,7 @@ void run_operations(Allocator& allocator, World& world, byte_reader& in) {
   allocator.release_cached();
   allocator.verify();
   GLAKE_FUZZ_CHECK(allocator.stats().active_bytes == 0, step);
+  if constexpr (far_copy_keeping_allocator<Allocator>) GLAKE_FUZZ_CHECK(allocator.far_copy_bytes() == 0, step);
 }
 
 template <class Allocator, class World, class... Args>

@@ -847,6 +847,19 @@ GLAKE_TORCH_API int glake_prefetch_many(void* const* ptrs, size_t count, CUstrea
 
 GLAKE_TORCH_API int glake_prefetch(void* ptr, CUstream_st* stream) { return glake_prefetch_many(&ptr, 1, stream); }
 
+GLAKE_TORCH_API int glake_keep_far_copy(void* ptr, int keep) {
+  return movable_call(keep != 0 ? "marking read-only" : "unmarking", ptr,
+                      [&] { plugin().keep_far_copy(ptr, keep != 0); });
+}
+
+GLAKE_TORCH_API size_t glake_far_copy_bytes(void) {
+  try {
+    return plugin().far_copy_bytes();
+  } catch (...) {
+    return 0;
+  }
+}
+
 GLAKE_TORCH_API int glake_residence(const void* ptr) {
   try {  // a question, not a failure: no line on stderr for a pointer outside every buffer
     if (!movables().contains(ptr)) {

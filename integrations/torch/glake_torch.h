@@ -104,6 +104,16 @@ GLAKE_TORCH_API int glake_prefetch(void* ptr, struct CUstream_st* stream);
 GLAKE_TORCH_API int glake_offload_many(void* const* ptrs, size_t count, struct CUstream_st* stream);
 GLAKE_TORCH_API int glake_prefetch_many(void* const* ptrs, size_t count, struct CUstream_st* stream);
 
+/* Marks the allocator's live allocation at `ptr` (nonzero `keep`) as not written while it is on
+ * the device, such as a frozen weight, or unmarks it: once it has been offloaded and brought back,
+ * its host copy is kept, and its next offload copies nothing (stitching_allocator::keep_far_copy).
+ * A write to a marked allocation on the device is lost at its next offload. -1 for a pointer that
+ * is not a live allocation of the allocator. */
+GLAKE_TORCH_API int glake_keep_far_copy(void* ptr, int keep);
+
+/* Host memory the kept copies of marked allocations hold now, over every device. */
+GLAKE_TORCH_API size_t glake_far_copy_bytes(void);
+
 /* Where the movable buffer holding `ptr`, or the allocator's live allocation at `ptr`, is: 1 device,
  * 2 host; -1 for neither. */
 GLAKE_TORCH_API int glake_residence(const void* ptr);

@@ -490,6 +490,53 @@ TEST_CASE("gpu: far_residence::unmapped moves a block and a stitched block out a
   REQUIRE(cudaStreamDestroy(copies) == cudaSuccess);
 }
 
+TEST_CASE("gpu: a block marked keep_far_copy goes out without a copy and comes back with its bytes") {
+  REQUIRE(cudaFree(nullptr) == cudaSuccess);
+  cuda_stitching allocator(cuda_provider(0), cuda_reserver(0));
+  allocator.attach_far_memory(cuda_host_provider(0), cuda_copier{}, far_residence::unmapped);
+  cudaStream_t work = nullptr, copies = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&work, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaStreamCreateWithFlags(&copies, cudaStreamNonBlocking) == cudaSuccess);
+  const stream_ref w{work}, c{copies};
+  void* p = allocator.allocate(256 * M, w);
+  REQUIRE(gpu_test::fill(p, 256 * M, 55, work) == cudaSuccess);
+  allocator.keep_far_copy(p);
+  allocator.offload(p, w, move_completion::deferred, c);
+  allocator.complete_moves(true);
+  allocator.prefetch(p, w, move_completion::deferred, c);
+  allocator.ready_on(p, w);
+  REQUIRE(cudaStreamSynchronize(work) == cudaSuccess);
+  allocator.complete_moves(true);
+  CHECK(allocator.far_copy_bytes() == 256 * M);
+  for (int round = 0; round < 3; ++round) {
+    // The copy stream is busy: an offload to the clean copy does not wait for it, only for the
+    // work that uses the block (a kernel still running when the offload is asked for).
+    REQUIRE(gpu_test::spin(600'000'000, copies) == cudaSuccess);
+    REQUIRE(cudaStreamSynchronize(work) == cudaSuccess);
+    const std::size_t free_before = device_free_bytes();
+    REQUIRE(gpu_test::spin(50'000'000, work) == cudaSuccess);
+    allocator.offload(p, w, move_completion::deferred, c);
+    CHECK(allocator.complete_moves(false) == 0);
+    REQUIRE(cudaStreamSynchronize(work) == cudaSuccess);
+    CHECK(allocator.complete_moves(false) == 1);
+    CHECK(cudaStreamQuery(copies) == cudaErrorNotReady);
+    CHECK(device_free_bytes() >= free_before + 250 * M);
+    CHECK(allocator.far_copy_bytes() == 0);
+    allocator.prefetch(p, w, move_completion::deferred, c);
+    allocator.ready_on(p, w);
+    CHECK(mismatches(p, 256 * M, 55, work) == 0);
+    allocator.complete_moves(true);
+    CHECK(allocator.far_copy_bytes() == 256 * M);
+    allocator.verify();
+  }
+  allocator.keep_far_copy(p, false);
+  CHECK(allocator.far_copy_bytes() == 0);
+  allocator.deallocate(p, 256 * M, w);
+  REQUIRE(cudaStreamSynchronize(work) == cudaSuccess);
+  REQUIRE(cudaStreamDestroy(work) == cudaSuccess);
+  REQUIRE(cudaStreamDestroy(copies) == cudaSuccess);
+}
+
 TEST_CASE("gpu: deferred moves with copies on a stream of their own start after the work queued before them") {
   REQUIRE(cudaFree(nullptr) == cudaSuccess);
   cuda_stitching allocator(cuda_provider(0), cuda_reserver(0));

@@ -532,6 +532,33 @@ class pluggable_allocator {
   {
     move_allocation(p, stream, false, when, copies);
   }
+  /// Marks the live allocation at `p` as not written while on the device, or unmarks it (the
+  /// allocator's keep_far_copy), in its device's context. usage_error for a pointer no device's
+  /// allocator holds live.
+  void keep_far_copy(const void* p, bool keep)
+    requires far_copy_keeping_allocator<Allocator>
+  {
+    bool found = false;
+    registry_.for_each([&](int device, slot& s) {
+      if (found || !s.allocator->owns(p)) return;
+      found = true;
+      DeviceScope scope(device);
+      s.allocator->keep_far_copy(p, keep);
+    });
+    if (!found) {
+      throw usage_error(usage_error::kind::foreign_pointer,
+                        "glake: keep_far_copy of " + detail::pointer_text(p) + ": not a live allocation of any device");
+    }
+  }
+  /// Far memory the clean copies of marked allocations hold, over every device (the
+  /// allocators' far_copy_bytes).
+  std::size_t far_copy_bytes()
+    requires far_copy_keeping_allocator<Allocator>
+  {
+    std::size_t bytes = 0;
+    registry_.for_each([&](int, slot& s) { bytes += s.allocator->far_copy_bytes(); });
+    return bytes;
+  }
   /// Completes the deferred move of the allocation at `p` (the allocator's complete_move),
   /// waiting for its copies; nothing for a pointer no device's allocator holds live.
   void complete_move(const void* p)

@@ -197,6 +197,25 @@ concept deferring_offloading_allocator =
       { a.complete_moves(wait) } -> std::same_as<std::size_t>;
     };
 
+// far_copy_keeping_allocator (refines offloading_allocator)
+//
+// Allocations marked as not written while on the device keep their far copy once they have been
+// away and back, so that their next offload copies nothing.
+//
+// | expression            | returns     | throws                       | meaning
+// |-----------------------|-------------|------------------------------|----------------------------
+// | a.keep_far_copy(p, k) | void        | usage_error (no far memory,  | k: p is marked (a write to
+// |                       |             | p not a live large           | it on the device is lost at
+// |                       |             | allocation); nothing changed | its next offload); !k: the
+// |                       |             |                              | mark and its copy go
+// | ca.far_copy_bytes()   | std::size_t | no                           | far memory the copies of
+// |                       |             |                              | marked allocations hold
+template <class A>
+concept far_copy_keeping_allocator = offloading_allocator<A> && requires(A& a, const A& ca, const void* cp, bool keep) {
+  { a.keep_far_copy(cp, keep) } -> std::same_as<void>;
+  { ca.far_copy_bytes() } -> std::same_as<std::size_t>;
+};
+
 // peak_resetting_allocator
 //
 // | expression      | returns    | throws | meaning

@@ -352,6 +352,11 @@ class stitching_allocator {
       throw config_error(std::string(name) + "::attach_far_memory: handles of " + format_bytes(pool_.chunk()) +
                          " are not multiples of the far memory's granularity (" + format_bytes(g) + ")");
     }
+    for (auto& [address, c] : clean_) {  // copies in the far memory attached before go; marks stay
+      for (const auto& h : c.handles) far_->release(h);
+      clean_bytes_ -= c.bytes;
+      c = far_copy{};
+    }
     if (away == far_residence::unmapped) {
       // Far handles keep a home mapping of their own (a copy of this reserver maps it): moves
       // copy straight to and from it.
@@ -367,6 +372,44 @@ class stitching_allocator {
   /// Where memory moved to far memory is kept while there (attach_far_memory's `away`).
   far_residence far_residence_of_moves() const noexcept {
     return away_unmapped_ ? far_residence::unmapped : far_residence::mapped;
+  }
+
+  /// Marks the live allocation at `p` as not written while it is on the device (frozen weights,
+  /// lookup tables), or unmarks it (`keep` false). A marked allocation keeps its far copy when
+  /// it comes back (prefetch), so its next offload copies nothing: once the work using it is
+  /// done, its addresses take the far handles back (unmapped, with far_residence::unmapped)
+  /// and its device memory goes. The copy holds far memory while the allocation is on the
+  /// device (far_copy_bytes); unmarking or freeing it releases the copy (a pending move of p
+  /// completes first). Writing a marked allocation on the device is lost at its next offload.
+  /// usage_error with no far memory attached or for a pointer that is not a live large
+  /// allocation here. O(log allocations).
+  void keep_far_copy(const void* p, bool keep = true) {
+    std::lock_guard guard(lock_);
+    const auto address = reinterpret_cast<std::uintptr_t>(p);
+    const std::string where = std::string(name) + "::keep_far_copy: ";
+    if (!far_) throw usage_error(usage_error::kind::bad_argument, where + "no far memory is attached (attach_far_memory)");
+    const live_allocation a = find_live(address);
+    const auto moved = moved_.find(address);
+    if ((a.block == nullptr && a.range == nullptr) || (moved != moved_.end() && moved->second.parked)) {
+      throw usage_error(usage_error::kind::foreign_pointer,
+                        where + detail::pointer_text(p) + " is not a live large allocation of this allocator");
+    }
+    if (keep) {
+      clean_.try_emplace(address);
+      return;
+    }
+    const auto it = clean_.find(address);
+    if (it == clean_.end()) return;
+    if constexpr (has_events) {
+      if (auto pit = pending_.find(address); pit != pending_.end()) complete_pending(pit, true);
+    }
+    drop_far_copy(it);
+  }
+
+  /// Far memory held by the clean copies of allocations on the device (keep_far_copy).
+  std::size_t far_copy_bytes() const {
+    std::lock_guard guard(lock_);
+    return clean_bytes_;
   }
 
   /// Moves the memory of the live allocation at `p` to far memory, ordered on `stream`: every
@@ -860,6 +903,9 @@ class stitching_allocator {
         return;
       }
     }
+    if (!clean_.empty()) {
+      if (const auto c = clean_.find(address); c != clean_.end()) drop_far_copy(c);
+    }
     if (!moved_.empty()) {
       if (const auto it = moved_.find(address); it != moved_.end()) {
         if (it->second.parked) diagnose_bad_free(p, bytes, false);
@@ -960,6 +1006,7 @@ class stitching_allocator {
       finish_deferred(true);
       clocks_.synchronize_all();
     }
+    while (!clean_.empty()) drop_far_copy(clean_.begin());
     if (away_unmapped_) {
       // Allocations still away (leaked) have unmapped addresses: their far handles are mapped
       // there again, so that giving the segments and ranges back unmaps what is mapped.
@@ -995,6 +1042,51 @@ class stitching_allocator {
     std::size_t bytes = 0;
     bool parked = false;
   };
+  /// A marked allocation's clean far copy (keep_far_copy): the far handles of its sites, in
+  /// their order, while it is on the device; empty otherwise.
+  struct far_copy {
+    std::vector<typename Provider::handle_type> handles;
+    std::size_t bytes = 0;
+  };
+  using far_copy_map = std::map<std::uintptr_t, far_copy>;
+
+  void drop_far_copy(typename far_copy_map::iterator it) noexcept {
+    for (const auto& h : it->second.handles) far_->release(h);
+    clean_bytes_ -= it->second.bytes;
+    clean_.erase(it);
+  }
+  // The clean far copy to use for moving the allocation at `address` out with `sites`: none
+  // when it is unmarked, has no copy, or its sites no longer match the copy (then it goes).
+  far_copy* usable_far_copy(std::uintptr_t address, std::span<const site_type> sites, std::size_t bytes) noexcept {
+    if (clean_.empty()) return nullptr;
+    const auto it = clean_.find(address);
+    if (it == clean_.end() || it->second.handles.empty()) return nullptr;
+    if (it->second.handles.size() == sites.size() && it->second.bytes == bytes) return &it->second;
+    for (const auto& h : it->second.handles) far_->release(h);
+    clean_bytes_ -= it->second.bytes;
+    it->second = far_copy{};
+    return nullptr;
+  }
+  // A move out that used the clean far copy finished: its handles are the slots' now.
+  void far_copy_used(far_copy& c) noexcept {
+    clean_bytes_ -= c.bytes;
+    c.handles.clear();
+    c.bytes = 0;
+  }
+  // A move back of a marked allocation finished: the far handles it replaced become its clean
+  // copy (released when it was unmarked meanwhile, or when recording it fails).
+  void keep_replaced(std::uintptr_t address, std::vector<typename Provider::handle_type> handles,
+                     std::size_t bytes) noexcept {
+    if (handles.empty()) return;
+    const auto it = clean_.find(address);
+    if (it == clean_.end() || !it->second.handles.empty()) {
+      for (const auto& h : handles) far_->release(h);
+      return;
+    }
+    it->second.handles = std::move(handles);
+    it->second.bytes = bytes;
+    clean_bytes_ += bytes;
+  }
   /// A live large allocation: its block, or its stitched range.
   struct live_allocation {
     block_type* block = nullptr;
@@ -1080,7 +1172,11 @@ class stitching_allocator {
     }
   }
 
-  detail::move_outcome move_sites(std::span<const site_type> sites, bool to_far, bool copy, stream_ref stream) {
+  // A move in one call; out to a marked allocation's clean far copy (`clean`), or back keeping
+  // the far handles it replaces (in `kept`).
+  detail::move_outcome move_sites(std::span<const site_type> sites, bool to_far, bool copy, stream_ref stream,
+                                  const far_copy* clean = nullptr,
+                                  std::vector<typename Provider::handle_type>* kept = nullptr) {
     const auto wait_copies = [&] {
       if constexpr (has_events) {
         auto& events = clocks_.events();
@@ -1089,7 +1185,10 @@ class stitching_allocator {
         events.recycle(e);
       }
     };
-    return detail::move_handles(pool_.backend(), *far_, sites, to_far, copy, stream, wait_copies, away_unmapped_);
+    return detail::move_handles(pool_.backend(), *far_, sites, to_far, copy, stream, wait_copies, away_unmapped_,
+                                clean != nullptr ? std::span<const typename Provider::handle_type>(clean->handles)
+                                                 : std::span<const typename Provider::handle_type>(),
+                                kept);
   }
 
   void move_locked(const char* what, void* p, stream_ref stream, bool to_far, move_completion when,
@@ -1185,23 +1284,39 @@ class stitching_allocator {
         stitcher_.drop_mapping(homes[i], lo, lo + sites[i].slot->size);
       }
     }
+    // Marked allocations (keep_far_copy): out to their clean copy, back keeping the far handles.
+    far_copy* clean = to_far ? usable_far_copy(address, sites, bytes) : nullptr;
+    const bool keep = !to_far && !clean_.empty() && clean_.contains(address);
     if (deferred) {
-      start_deferred(where, p, sites, bytes, to_far, stream, copies);
+      start_deferred(where, p, sites, bytes, to_far, stream, copies, clean, keep);
       return;
     }
     // Every use has completed (waited for above): the copies may go on any stream.
-    detail::move_outcome r = move_sites(sites, to_far, true, copies);
-    if (r == detail::move_outcome::out_of_memory && !to_far && make_room_for_move(bytes)) {
-      r = move_sites(sites, to_far, true, copies);
+    if (to_far) {
+      // The entry in moved_ is made first, so that recording the finished move cannot fail.
+      const auto entry = moved_.emplace(address, moved_allocation{}).first;
+      try {
+        if (move_sites(sites, true, true, copies, clean) == detail::move_outcome::out_of_memory) {
+          throw_move_out_of_memory(where, p, bytes, to_far);
+        }
+      } catch (...) {
+        moved_.erase(entry);
+        throw;
+      }
+      if (clean != nullptr) far_copy_used(*clean);
+      counters_.on_move_out(bytes);
+      entry->second = moved_allocation{std::move(sites), bytes, false};
+      return;
+    }
+    std::vector<typename Provider::handle_type> kept;
+    detail::move_outcome r = move_sites(sites, false, true, copies, nullptr, keep ? &kept : nullptr);
+    if (r == detail::move_outcome::out_of_memory && make_room_for_move(bytes)) {
+      r = move_sites(sites, false, true, copies, nullptr, keep ? &kept : nullptr);
     }
     if (r == detail::move_outcome::out_of_memory) throw_move_out_of_memory(where, p, bytes, to_far);
-    if (to_far) {
-      counters_.on_move_out(bytes);
-      moved_.emplace(address, moved_allocation{std::move(sites), bytes, false});
-    } else {
-      counters_.on_move_in(bytes);
-      moved_.erase(it);
-    }
+    counters_.on_move_in(bytes);
+    moved_.erase(it);
+    keep_replaced(address, std::move(kept), bytes);
   }
 
   // ------------------------------------------------------------------ deferred moves
@@ -1219,8 +1334,10 @@ class stitching_allocator {
   // Queues the copies of a deferred move and records it; completes it at once when the copies
   // are done already. Out of memory for the new handles: out_of_memory, nothing changed.
   // With `copies` other than `stream`, the copies wait there for the work queued on `stream`.
+  // A move out to a clean far copy (`clean`) copies nothing: it completes once the work queued
+  // on `stream` is done. A move back with `keep` keeps the far handles it replaces.
   void start_deferred(const std::string& where, void* p, const std::vector<site_type>& sites, std::size_t bytes,
-                      bool to_far, stream_ref stream, [[maybe_unused]] stream_ref copies) {
+                      bool to_far, stream_ref stream, [[maybe_unused]] stream_ref copies, far_copy* clean, bool keep) {
     if constexpr (has_events) {
       auto& events = clocks_.events();
       const auto wait_copies = [&] {
@@ -1230,9 +1347,13 @@ class stitching_allocator {
       };
       auto move =
           std::make_unique<move_type>(pool_.backend(), *far_, std::span<const site_type>(sites), to_far, away_unmapped_);
+      if (clean != nullptr) move->use_handles(clean->handles);
+      if (keep) move->keep_replaced();
+      // The event completion waits for: after the copies, or after the work on `stream`.
+      const stream_ref done_on = clean != nullptr ? stream : copies;
       const auto start = [&] {
         if constexpr (stream_joining_reserver<Reserver>) {
-          if (copies != stream) {
+          if (copies != stream && clean == nullptr) {
             const auto used = events.record(stream);
             try {
               events.join(copies, used);
@@ -1243,7 +1364,7 @@ class stitching_allocator {
             events.recycle(used);
           }
         }
-        return move->start(true, copies, wait_copies);
+        return move->start(clean == nullptr, copies, wait_copies);
       };
       detail::move_outcome r = start();
       if (r == detail::move_outcome::out_of_memory && !to_far && make_room_for_move(bytes)) r = start();
@@ -1258,7 +1379,7 @@ class stitching_allocator {
             one.emplace(address, moved_allocation{});
             it->second.record = one.extract(one.begin());
           }
-          it->second.copied = events.record(copies);
+          it->second.copied = events.record(done_on);
         } catch (...) {
           pending_.erase(it);
           throw;
@@ -1307,12 +1428,16 @@ class stitching_allocator {
     if (r != detail::move_outcome::moved) return;  // finish gave the new handles back
     const std::size_t bytes = move->bytes();
     if (move->to_far()) {
+      if (move->uses_given_handles()) {
+        if (const auto c = clean_.find(address); c != clean_.end()) far_copy_used(c->second);
+      }
       counters_.on_move_out(bytes);
       record.mapped() = moved_allocation{move->take_sites(), bytes, false};
       moved_.insert(std::move(record));
     } else {
       counters_.on_move_in(bytes);
       moved_.erase(address);
+      keep_replaced(address, move->take_replaced(), bytes);
     }
   }
 
@@ -1471,6 +1596,8 @@ class stitching_allocator {
   moved_map moved_;                                   // allocations in far memory, by address
   pending_map pending_;                               // deferred moves still copying, by address
   std::size_t parked_ = 0;                            // of them, freed ones
+  far_copy_map clean_;                                // allocations marked keep_far_copy, by address
+  std::size_t clean_bytes_ = 0;                       // far memory their clean copies hold
   [[no_unique_address]] mutable Lock lock_;
 };
 
@@ -1487,6 +1614,7 @@ static_assert(partly_cache_releasing_allocator<stitching_allocator<detail::provi
 static_assert(completion_releasing_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
 static_assert(peak_resetting_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
 static_assert(offloading_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
+static_assert(far_copy_keeping_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
 static_assert(deferring_offloading_allocator<
               stitching_allocator<detail::provider_archetype, detail::evented_reserver_archetype, no_stitching>>);
 static_assert(stream_recording_allocator<

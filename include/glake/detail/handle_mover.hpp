@@ -65,6 +65,12 @@ enum class move_outcome {
 ///   handles; abandon unmaps the addresses again.
 /// Per site that is a copy, a create, a map, an access, an unmap and a release in all: no
 /// mapping of far memory and no access setting over it per move.
+///
+/// Clean far copies (unmapped away only): keep_replaced() before finish of a move back keeps
+/// the far handles it replaces (take_replaced()) instead of releasing them; a move out given
+/// such handles (use_handles, before start) creates and copies nothing: start only checks, and
+/// finish unmaps the addresses, releases the device handles and leaves the given handles in the
+/// slots. Abandoned, it leaves the given handles to their owner.
 template <class Backend, class Slot>
 class handle_move {
  public:
@@ -85,8 +91,25 @@ class handle_move {
   std::vector<handle_site<Slot>> take_sites() noexcept { return std::move(sites_); }
   std::size_t bytes() const noexcept { return total_; }
 
+  /// Moving back: the far handles replaced are kept, not released (take_replaced after finish).
+  void keep_replaced() {
+    replaced_.reserve(sites_.size());
+    keep_replaced_ = true;
+  }
+  /// The far handles a finished move back replaced, in site order (keep_replaced).
+  std::vector<handle_type> take_replaced() noexcept { return std::move(replaced_); }
+  /// Whether it moves out to handles given by use_handles.
+  bool uses_given_handles() const noexcept { return given_; }
+  /// Moving out: these handles (a clean far copy of every site, in site order; still the
+  /// caller's until finish) take the sites' place; start copies nothing.
+  void use_handles(std::span<const handle_type> handles) {
+    made_.assign(handles.begin(), handles.end());
+    given_ = true;
+  }
+
   template <class WaitCopies>
   move_outcome start(bool copy, stream_ref stream, WaitCopies&& wait_copies) {
+    if (given_) return move_outcome::moved;  // a clean far copy: nothing to make or copy
     made_.reserve(sites_.size());
     bool copies_queued = false;
     try {
@@ -259,7 +282,9 @@ class handle_move {
   void hand_over() noexcept {
     for (std::size_t i = 0; i < sites_.size(); ++i) {
       Slot& slot = *sites_[i].slot;
-      if (slot.far) {
+      if (slot.far && keep_replaced_) {
+        replaced_.push_back(slot.handle);  // reserved by keep_replaced
+      } else if (slot.far) {
         far_->release(slot.handle);
       } else {
         backend_->release_handle(slot.handle, slot.size);
@@ -324,6 +349,10 @@ class handle_move {
   }
 
   void release_made() noexcept {
+    if (given_) {  // their owner keeps them
+      made_.clear();
+      return;
+    }
     for (std::size_t i = made_.size(); i-- > 0;) {
       if (to_far_) {
         far_->release(made_[i]);
@@ -349,6 +378,9 @@ class handle_move {
   std::vector<handle_site<Slot>> sites_;
   bool to_far_;
   bool unmapped_;
+  bool given_ = false;          // made_ holds handles given by use_handles
+  bool keep_replaced_ = false;  // hand_over keeps the far handles it replaces in replaced_
+  std::vector<handle_type> replaced_;
   std::size_t sites_mapped_ = 0;  // unmapped away, coming back: sites whose addresses map made_
   std::size_t total_ = 0;
   std::vector<handle_type> made_;
@@ -356,12 +388,21 @@ class handle_move {
   std::size_t temp_mapped_ = 0;
 };
 
-/// A move in one call: start, wait_copies(), finish (see handle_move).
+/// A move in one call: start, wait_copies(), finish (see handle_move). Out to `given` handles
+/// (non-empty: a clean far copy, use_handles) it copies nothing; back with `kept`, the far
+/// handles replaced are put there (keep_replaced).
 template <class Backend, class Slot, class WaitCopies>
 move_outcome move_handles(Backend& backend, far_memory<typename Backend::handle_type>& far,
                           std::span<const handle_site<Slot>> sites, bool to_far, bool copy, stream_ref stream,
-                          WaitCopies&& wait_copies, bool away_unmapped = false) {
+                          WaitCopies&& wait_copies, bool away_unmapped = false,
+                          std::span<const typename Backend::handle_type> given = {},
+                          std::vector<typename Backend::handle_type>* kept = nullptr) {
   handle_move<Backend, Slot> move(backend, far, sites, to_far, away_unmapped);
+  if (!given.empty()) {
+    move.use_handles(given);
+    copy = false;
+  }
+  if (kept != nullptr) move.keep_replaced();
   if (move.start(copy, stream, wait_copies) == move_outcome::out_of_memory) return move_outcome::out_of_memory;
   if (copy) {
     try {
@@ -374,7 +415,9 @@ move_outcome move_handles(Backend& backend, far_memory<typename Backend::handle_
       throw;  // the destructor gives the new handles back
     }
   }
-  return move.finish();
+  const move_outcome r = move.finish();
+  if (r == move_outcome::moved && kept != nullptr) *kept = move.take_replaced();
+  return r;
 }
 
 }  // namespace glake::detail

@@ -179,6 +179,11 @@ def load(library=None):
         getattr(lib, name).argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_void_p]
     lib.glake_residence.restype = ctypes.c_int
     lib.glake_residence.argtypes = [ctypes.c_void_p]
+    if hasattr(lib, "glake_keep_far_copy"):  # libraries built before read-only marks lack them
+        lib.glake_keep_far_copy.restype = ctypes.c_int
+        lib.glake_keep_far_copy.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        lib.glake_far_copy_bytes.restype = ctypes.c_size_t
+        lib.glake_far_copy_bytes.argtypes = []
     lib.glake_movable_stats.restype = ctypes.c_size_t
     lib.glake_movable_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
     lib.glake_set_movable_scope.restype = ctypes.c_size_t
@@ -711,6 +716,13 @@ def residence(tensor):
     return _RESIDENCE.get(load().glake_residence(_pointer(tensor)))
 
 
+def far_copy_bytes():
+    """Host memory held by the kept copies of tensors managed read-only (Scheduler.manage) while
+    they are on the device, over every device."""
+    lib = load()
+    return int(lib.glake_far_copy_bytes()) if hasattr(lib, "glake_far_copy_bytes") else 0
+
+
 def movable_stats():
     """All movable buffers: buffers, device_bytes, host_bytes, cached_host_bytes (host memory kept
     for the next offload), offloaded_bytes and prefetched_bytes (totals moved), cached_buffer_bytes
@@ -1046,6 +1058,7 @@ class Scheduler:
             raise RuntimeError(f"glake_torch: creating a scheduler failed: {_last_error(self._lib)}")
         self._handle = handle
         self._managed = {}  # first address -> the tensor, kept alive while managed
+        self._read_only = set()  # first addresses of those managed with read_only
         self._hooks = []
 
     MIN_BYTES = 2 << 20
@@ -1058,13 +1071,27 @@ class Scheduler:
             return storage.data_ptr(), storage.nbytes()
         return int(tensor[0]), int(tensor[1])  # (pointer, bytes), without torch
 
-    def manage(self, tensor):
+    def manage(self, tensor, read_only=False):
         """Manages the storage of `tensor` (a CUDA tensor glake allocated). False, and nothing
-        done, for one below 2 MiB or managed already."""
+        done, for one below 2 MiB or managed already.
+
+        `read_only` promises that nothing writes the tensor while it is managed (a frozen
+        weight): its host copy is kept once it has been offloaded and brought back, so its later
+        offloads copy nothing and only give the device memory back. The copy holds host memory
+        while the tensor is on the device (far_copy_bytes()). A write to it while managed is lost
+        at its next offload; unmanage() ends the promise."""
         ptr, nbytes = self._span(tensor)
         if nbytes < self.MIN_BYTES or ptr in self._managed:
             return False
+        if read_only and not hasattr(self._lib, "glake_keep_far_copy"):
+            raise RuntimeError("glake_torch: this libglake_torch.so has no read-only marks (rebuild it)")
         _raise_for(self._lib.glake_scheduler_manage(self._handle, ptr, nbytes), self._lib, "manage")
+        if read_only:
+            code = self._lib.glake_keep_far_copy(ptr, 1)
+            if code != 0:
+                self._lib.glake_scheduler_unmanage(self._handle, ptr)
+                _raise_for(code, self._lib, "manage")
+            self._read_only.add(ptr)
         self._managed[ptr] = tensor
         return True
 
@@ -1073,7 +1100,13 @@ class Scheduler:
         if ptr not in self._managed:
             raise ValueError("glake_torch: the tensor is not managed by this scheduler")
         _raise_for(self._lib.glake_scheduler_unmanage(self._handle, ptr), self._lib, "unmanage")
+        self._unmark(ptr)
         del self._managed[ptr]
+
+    def _unmark(self, ptr):
+        if ptr in self._read_only:
+            self._read_only.discard(ptr)
+            self._lib.glake_keep_far_copy(ptr, 0)
 
     def managed(self, tensor):
         return self._span(tensor)[0] in self._managed
@@ -1106,7 +1139,7 @@ class Scheduler:
         self._lib.glake_scheduler_stats(self._handle, values, len(names))
         return dict(zip(names, (int(v) for v in values)))
 
-    def attach(self, model, backward=True):
+    def attach(self, model, backward=True, read_only=None):
         """Manages `model`'s parameters (those of at least 2 MiB) and hooks it: a forward pre-hook
         on the model begins an iteration, and each module's forward pre-hook (and, with
         `backward`, its full backward pre-hook) brings its own parameters in before it runs.
@@ -1116,16 +1149,22 @@ class Scheduler:
         runs, also when the output was modified in place or the module is recomputed by
         activation checkpointing). backward=False leaves the backward pass out: it then reads
         what is on the host over the bus, which memory offloaded with far_unmapped does not
-        allow. Returns how many tensors it manages.
+        allow. read_only="frozen" manages the parameters that do not require grad as read-only
+        (see manage), read_only="all" every parameter (inference, or gradients that no optimizer
+        applies): their offloads copy nothing; the caller promises not to write them while
+        attached (load weights before attach). Returns how many tensors it manages.
 
         Parameters still in host memory come to this scheduler's device one at a time, each
         managed as it arrives, so a model larger than the budget loads within it (build the model
         on the CPU, attach, then move the rest, e.g. model.to("cuda"), and make the optimizer)."""
+        if read_only not in (None, "frozen", "all"):
+            raise ValueError(f"glake_torch: read_only must be None, 'frozen' or 'all', not {read_only!r}")
         count = 0
         for p in model.parameters():
             if getattr(p, "is_cuda", True) is False:
                 p.data = p.data.to(f"cuda:{self.device}")
-            count += bool(self.manage(p))
+            frozen = read_only == "all" or (read_only == "frozen" and not getattr(p, "requires_grad", True))
+            count += bool(self.manage(p, read_only=frozen))
         self._hooks.append(model.register_forward_pre_hook(lambda module, args: self.iteration_begin()))
         for module in model.modules():
             own = [p for p in module.parameters(recurse=False) if self.managed(p)]
@@ -1161,6 +1200,7 @@ class Scheduler:
         for ptr in self._managed:  # back on the device where there is room; else it stays usable on the host
             if self._lib.glake_residence(ptr) == 2:
                 self._lib.glake_prefetch(ptr, None)
+            self._unmark(ptr)
         self._managed = {}
 
     def __del__(self):

@@ -101,6 +101,37 @@ class SchedulerTest(unittest.TestCase):
             s.unmanage(big)
         s.close()
 
+    def test_read_only_tensors_keep_their_host_copy_and_later_offloads_copy_nothing(self):
+        class Weight(tuple):  # a (pointer, bytes) pair that says whether it requires grad
+            requires_grad = True
+
+        frozen = [Weight(self.block(8 * MiB)) for _ in range(4)]
+        for w in frozen:
+            w.requires_grad = False
+        trained = Weight(self.block(8 * MiB))
+        self.assertEqual(glake_torch.far_copy_bytes(), 0)
+        s = glake_torch.Scheduler(24 * MiB, device=0, name="frozen")
+        model = types.SimpleNamespace(
+            parameters=lambda recurse=True: frozen + [trained], modules=lambda: [],
+            register_forward_pre_hook=lambda fn: types.SimpleNamespace(remove=lambda: None))
+        with self.assertRaises(ValueError):
+            s.attach(model, read_only="everything")
+        self.assertEqual(s.attach(model, read_only="frozen"), 5)
+        blocks = frozen + [trained]
+        self.sweep(s, blocks, iterations=3, stride=1, budget=24 * MiB)
+        # The frozen ones on the device hold a host copy each (once they have been away); the
+        # trained one never does.
+        on_device = [w for w in frozen if glake_torch.residence(w[0]) == "device"]
+        self.assertGreater(len(on_device), 0)
+        self.assertEqual(glake_torch.far_copy_bytes(), 8 * MiB * len(on_device))
+        first_on_device = glake_torch.residence(frozen[0][0]) == "device"
+        s.unmanage(frozen[0])  # unmarked: its copy goes
+        self.assertEqual(glake_torch.far_copy_bytes(), 8 * MiB * (len(on_device) - first_on_device))
+        s.close()
+        self.assertEqual(glake_torch.far_copy_bytes(), 0)
+        self.assertEqual(self.lib.glake_keep_far_copy(12345 << 21, 1), -1)  # not glake's
+        self.assertIn("not a live allocation", glake_torch._last_error(self.lib))
+
     def test_misuse_is_refused_with_clear_errors(self):
         lib = self.lib
         s = glake_torch.Scheduler(16 * MiB, device=0, name="careful")
