@@ -17,6 +17,9 @@ its own with glake as PyTorch's allocator:
          of its own weight.
   glake-overlapped  moves="overlapped": deferred, the copies on the scheduler's two copy streams
          (after the work queued before the move), so that they run beside the layers' compute.
+  glake-read-only  glake-overlapped with every weight managed read-only (attach(read_only="all"):
+         nothing writes them here): once a weight has been away and back, its host copy is kept
+         and its offloads copy nothing.
 
 Training only, the other ways of lowering a step's peak, all weights on the device:
 
@@ -101,9 +104,10 @@ def child(args):
     recompute = args.variant in ("recompute", "glake-recompute")
     if args.variant.startswith("glake"):
         moves = {"glake": "wait", "glake-deferred": "deferred", "glake-overlapped": "overlapped",
-                 "glake-recompute": "overlapped"}[args.variant]
+                 "glake-recompute": "overlapped", "glake-read-only": "overlapped"}[args.variant]
         scheduler = glake_torch.Scheduler(int(args.fraction * weight_bytes), name="schedule_weights", moves=moves)
-        scheduler.attach(model, backward="outputs" if recompute else True)
+        scheduler.attach(model, backward="outputs" if recompute else True,
+                         read_only="all" if args.variant == "glake-read-only" else None)
 
     def forward():
         if recompute:
@@ -177,6 +181,7 @@ def child(args):
         s = scheduler.stats()
         report["weights_on_device_gib"] = s["peak_device_bytes"] / GiB
         report["scheduler"] = s
+        report["far_copy_gib"] = glake_torch.far_copy_bytes() / GiB
         scheduler.close()
     else:
         report["weights_on_device_gib"] = weight_bytes / GiB

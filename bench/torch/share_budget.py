@@ -126,7 +126,8 @@ def child(args):
             # The recomputation of each checkpointed layer runs its forward pre-hooks right
             # before its backward; "outputs" declares the backward's own uses too (needed with
             # far_unmapped, where memory away is not mapped).
-            result["managed_tensors"] = scheduler.attach(model, backward=args.backward)
+            result["managed_tensors"] = scheduler.attach(model, backward=args.backward,
+                                                         read_only=None if args.read_only == "none" else args.read_only)
         model.to("cuda")
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=1e-4)
@@ -160,6 +161,7 @@ def child(args):
                                    for k in driver1 if k.startswith("driver_") and k.endswith("_ns")}
         if scheduler is not None:
             result["scheduler"] = scheduler.stats()
+            result["far_copy_bytes"] = glake_torch.far_copy_bytes()
             scheduler.close()
         if glake_torch is not None:
             s = glake_torch.stats()
@@ -186,7 +188,8 @@ def launch(args, k, phase, allocator, result_file, socket=None, budget=0):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--workload", str(k), "--phase", phase,
            "--allocator", allocator, "--result-file", result_file, "--library", args.library,
            "--model", args.model, "--batch", str(args.batch), "--steps", str(args.steps), "--moves", args.moves,
-           "--backward", args.backward, "--attention", args.attention] + (["--deterministic"] if args.deterministic else [])
+           "--backward", args.backward, "--attention", args.attention, "--read-only", args.read_only]
+    cmd += ["--deterministic"] if args.deterministic else []
     if socket:
         cmd += ["--socket", socket, "--budget", str(budget)]
     elif budget:
@@ -294,6 +297,8 @@ def main():
                          "losses equal the solo runs' bit for bit unless memory was corrupted")
     ap.add_argument("--attention", default="sdpa", choices=("sdpa", "eager"),
                     help="the models' attention; SDPA's backward kernels are not deterministic, eager's are")
+    ap.add_argument("--read-only", default="none", choices=("none", "frozen"),
+                    help="frozen: the scheduler manages frozen weights read-only (their offloads copy nothing)")
     ap.add_argument("--phases", default="together,staggered,default")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=240)
@@ -320,7 +325,7 @@ def main():
     phases = args.phases.split(",")
     report = {"gpu": torch.cuda.get_device_name(), "model": args.model, "batch": args.batch, "steps": args.steps,
               "workloads": args.workloads, "fraction": args.fraction, "moves": args.moves, "backward": args.backward,
-              "deterministic": args.deterministic, "attention": args.attention,
+              "read_only": args.read_only,              "deterministic": args.deterministic, "attention": args.attention,
               "alloc_conf": os.environ.get("GLAKE_ALLOC_CONF"), "rounds": []}
     solo_losses = {}
     for r in range(args.rounds):
