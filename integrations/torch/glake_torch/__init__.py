@@ -1149,7 +1149,7 @@ class Scheduler:
         runs, also when the output was modified in place or the module is recomputed by
         activation checkpointing). backward=False leaves the backward pass out: it then reads
         what is on the host over the bus, which memory offloaded with far_unmapped does not
-        allow. read_only="frozen" manages the parameters that do not require grad as read-only
+        allow (attach refuses it then with a ValueError). read_only="frozen" manages the parameters that do not require grad as read-only
         (see manage), read_only="all" every parameter (inference, or gradients that no optimizer
         applies): their offloads copy nothing; the caller promises not to write them while
         attached (load weights before attach). Returns how many tensors it manages.
@@ -1159,6 +1159,10 @@ class Scheduler:
         on the CPU, attach, then move the rest, e.g. model.to("cuda"), and make the optimizer)."""
         if read_only not in (None, "frozen", "all"):
             raise ValueError(f"glake_torch: read_only must be None, 'frozen' or 'all', not {read_only!r}")
+        if not backward and "far_unmapped:true" in settings().split(","):
+            raise ValueError("glake_torch: attach(backward=False) with GLAKE_ALLOC_CONF far_unmapped: memory away "
+                             "is not mapped, so a backward pass that finds a parameter away faults; use "
+                             "backward=True or backward=\"outputs\"")
         count = 0
         for p in model.parameters():
             if getattr(p, "is_cuda", True) is False:

@@ -116,6 +116,17 @@ class SchedulerTest(unittest.TestCase):
             register_forward_pre_hook=lambda fn: types.SimpleNamespace(remove=lambda: None))
         with self.assertRaises(ValueError):
             s.attach(model, read_only="everything")
+        saved = os.environ.get("GLAKE_ALLOC_CONF")
+        os.environ["GLAKE_ALLOC_CONF"] = "far_unmapped:true"
+        try:
+            with self.assertRaises(ValueError) as caught:  # its backward pass would fault
+                s.attach(model, backward=False)
+            self.assertIn("far_unmapped", str(caught.exception))
+        finally:
+            if saved is None:
+                del os.environ["GLAKE_ALLOC_CONF"]
+            else:
+                os.environ["GLAKE_ALLOC_CONF"] = saved
         self.assertEqual(s.attach(model, read_only="frozen"), 5)
         blocks = frozen + [trained]
         self.sweep(s, blocks, iterations=3, stride=1, budget=24 * MiB)
