@@ -1149,10 +1149,11 @@ class Scheduler:
         runs, also when the output was modified in place or the module is recomputed by
         activation checkpointing). backward=False leaves the backward pass out: it then reads
         what is on the host over the bus, which memory offloaded with far_unmapped does not
-        allow (attach refuses it then with a ValueError). read_only="frozen" manages the parameters that do not require grad as read-only
-        (see manage), read_only="all" every parameter (inference, or gradients that no optimizer
-        applies): their offloads copy nothing; the caller promises not to write them while
-        attached (load weights before attach). Returns how many tensors it manages.
+        allow (attach refuses it then with a ValueError). read_only="frozen" manages the
+        parameters that do not require grad as read-only (see manage), read_only="all" every
+        parameter (inference, or gradients that no optimizer applies): their offloads copy
+        nothing; the caller promises not to write them while attached (load weights before
+        attach). Returns how many tensors it manages.
 
         Parameters still in host memory come to this scheduler's device one at a time, each
         managed as it arrives, so a model larger than the budget loads within it (build the model
