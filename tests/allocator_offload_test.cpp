@@ -287,6 +287,46 @@ TEST_CASE("offload: freed while offloaded, memory comes back to the device, or w
   CHECK(gpu.violations() == 0);
 }
 
+TEST_CASE("offload: a free while offloaded whose remap and whose undoing both fail parks it, and nothing is unmapped twice") {
+  // The driver refuses every map: the free's new device handles cannot be mapped, nor can the far
+  // ones be mapped back, so the addresses map nothing. The allocation is parked with those
+  // addresses recorded; a later move fills them instead of unmapping them again.
+  sim_device gpu(64 * M, 2 * M, 256 * M);
+  fault_plan plan;
+  {
+    using faulty = stitching_allocator<fault_injecting_provider<sim_provider>, fault_injecting_reserver<sim_reserver>>;
+    faulty a(fault_injecting_provider<sim_provider>(sim_provider(gpu), plan),
+             fault_injecting_reserver<sim_reserver>(sim_reserver(gpu), plan));
+    a.attach_far_memory(sim_host_provider(gpu), sim_copier(gpu));
+    void* p = a.allocate(16 * M);
+    void* q = a.allocate(16 * M);
+    a.offload(p);
+    plan.fail_every_call_of(driver_call::map);
+    a.deallocate(p, 16 * M);
+    CHECK(a.stats().offloaded_bytes == 16 * M);  // parked
+    CHECK(a.stats().active_bytes == 16 * M);
+    a.release_cached();  // maps still fail: it stays parked
+    CHECK(a.stats().offloaded_bytes == 16 * M);
+    CHECK(gpu.violations() == 0);
+    plan.never_fail();
+    SUBCASE("back once the driver maps again") {
+      a.release_cached();
+      CHECK(a.stats().offloaded_bytes == 0);
+      CHECK(gpu.host_bytes() == 0);
+      void* again = a.allocate(16 * M);
+      CHECK(gpu.resolve(again).has_value());
+      a.deallocate(again, 16 * M);
+    }
+    SUBCASE("destroyed while parked") {}
+    a.verify();
+    a.deallocate(q, 16 * M);
+  }
+  CHECK(gpu.violations() == 0);
+  CHECK(gpu.physical_bytes() == 0);
+  CHECK(gpu.host_bytes() == 0);
+  CHECK(gpu.live_mappings() == 0);
+}
+
 TEST_CASE("offload: misuse and running out of memory are refused and change nothing") {
   sim_device gpu(64 * M, 2 * M, 48 * M);
   sim_alloc a{sim_provider(gpu), sim_reserver(gpu)};

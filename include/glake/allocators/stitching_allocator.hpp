@@ -1007,6 +1007,15 @@ class stitching_allocator {
       clocks_.synchronize_all();
     }
     while (!clean_.empty()) drop_far_copy(clean_.begin());
+    // Addresses a failed remap left unmapped get their handle back, so that giving the segments
+    // and ranges back unmaps what is mapped.
+    for (const auto& [address, h] : holes_) {
+      try {
+        pool_.backend().try_map_handle(reinterpret_cast<void*>(address), h.size, h.handle);
+      } catch (...) {
+      }
+    }
+    holes_.clear();
     if (away_unmapped_) {
       // Allocations still away (leaked) have unmapped addresses: their far handles are mapped
       // there again, so that giving the segments and ranges back unmaps what is mapped.
@@ -1188,7 +1197,7 @@ class stitching_allocator {
     return detail::move_handles(pool_.backend(), *far_, sites, to_far, copy, stream, wait_copies, away_unmapped_,
                                 clean != nullptr ? std::span<const typename Provider::handle_type>(clean->handles)
                                                  : std::span<const typename Provider::handle_type>(),
-                                kept);
+                                kept, &holes_);
   }
 
   void move_locked(const char* what, void* p, stream_ref stream, bool to_far, move_completion when,
@@ -1349,6 +1358,7 @@ class stitching_allocator {
           std::make_unique<move_type>(pool_.backend(), *far_, std::span<const site_type>(sites), to_far, away_unmapped_);
       if (clean != nullptr) move->use_handles(clean->handles);
       if (keep) move->keep_replaced();
+      move->note_holes(&holes_);
       // The event completion waits for: after the copies, or after the work on `stream`.
       const stream_ref done_on = clean != nullptr ? stream : copies;
       const auto start = [&] {
@@ -1597,6 +1607,7 @@ class stitching_allocator {
   pending_map pending_;                               // deferred moves still copying, by address
   std::size_t parked_ = 0;                            // of them, freed ones
   far_copy_map clean_;                                // allocations marked keep_far_copy, by address
+  detail::mapping_holes<typename Provider::handle_type> holes_;  // addresses a failed remap left unmapped
   std::size_t clean_bytes_ = 0;                       // far memory their clean copies hold
   [[no_unique_address]] mutable Lock lock_;
 };

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <map>
 #include <optional>
 #include <span>
 #include <string>
@@ -26,6 +27,17 @@ struct handle_site {
   std::uintptr_t home = 0;
   std::uintptr_t range = 0;
 };
+
+/// Addresses where a handle should be mapped and is not: a remap failed and putting the old
+/// mapping back failed too (the driver refusing maps). Later moves fill them instead of
+/// unmapping them, and the allocator maps them again before it unmaps its segments.
+template <class Handle>
+struct mapping_hole {
+  Handle handle{};
+  std::size_t size = 0;
+};
+template <class Handle>
+using mapping_holes = std::map<std::uintptr_t, mapping_hole<Handle>>;
 
 /// What move_handles did.
 enum class move_outcome {
@@ -50,6 +62,9 @@ enum class move_outcome {
 /// - abandon(), once the copies are done, instead of finish: the new handles and the temporary
 ///   range go; the sites are as they were. The destructor abandons a move started and not
 ///   finished.
+///
+/// With note_holes, addresses that finish could neither remap nor put back are recorded there
+/// (mapping_holes), and a later finish maps them without unmapping them first.
 ///
 /// Cost: per site a create, one or two unmaps, maps and accesses, a release; with `copy` a map
 /// and an unmap more and one copy; one reservation. The sites' slots must stay where they are
@@ -100,6 +115,9 @@ class handle_move {
   std::vector<handle_type> take_replaced() noexcept { return std::move(replaced_); }
   /// Whether it moves out to handles given by use_handles.
   bool uses_given_handles() const noexcept { return given_; }
+  /// Where addresses left unmapped by a failed remap are recorded, and looked up (memory away
+  /// mapped only; see mapping_holes).
+  void note_holes(mapping_holes<handle_type>* holes) noexcept { holes_ = holes; }
   /// Moving out: these handles (a clean far copy of every site, in site order; still the
   /// caller's until finish) take the sites' place; start copies nothing.
   void use_handles(std::span<const handle_type> handles) {
@@ -215,10 +233,19 @@ class handle_move {
       const auto put_back = [&](std::uintptr_t a, const Slot& slot, bool new_mapped) {
         if (new_mapped) backend_->unmap_handle(at(a), slot.size);
         try {
-          if (backend_->try_map_handle(at(a), slot.size, slot.handle)) return;
+          if (backend_->try_map_handle(at(a), slot.size, slot.handle)) {
+            filled(a);
+            return;
+          }
         } catch (...) {
         }
         if (failed == 0) failed = a;
+        if (holes_ != nullptr) {
+          try {
+            holes_->insert_or_assign(a, mapping_hole<handle_type>{slot.handle, slot.size});
+          } catch (...) {
+          }
+        }
       };
       for (std::size_t i = 0; i < done; ++i) {
         put_back(sites_[i].home, *sites_[i].slot, true);
@@ -244,20 +271,22 @@ class handle_move {
       for (; done < sites_.size(); ++done, stage = 0) {
         const handle_site<Slot>& s = sites_[done];
         const std::size_t n = s.slot->size;
-        backend_->unmap_handle(at(s.home), n);
+        if (!hole(s.home)) backend_->unmap_handle(at(s.home), n);
         stage = 1;
         if (!backend_->try_map_handle(at(s.home), n, made_[done])) {
           undo_all();
           return move_outcome::out_of_memory;
         }
+        filled(s.home);
         stage = 2;
         if (s.range != 0) {
-          backend_->unmap_handle(at(s.range), n);
+          if (!hole(s.range)) backend_->unmap_handle(at(s.range), n);
           stage = 3;
           if (!backend_->try_map_handle(at(s.range), n, made_[done])) {
             undo_all();
             return move_outcome::out_of_memory;
           }
+          filled(s.range);
         }
       }
     } catch (...) {
@@ -277,6 +306,10 @@ class handle_move {
 
  private:
   static void* at(std::uintptr_t a) noexcept { return reinterpret_cast<void*>(a); }
+  bool hole(std::uintptr_t a) const noexcept { return holes_ != nullptr && !holes_->empty() && holes_->contains(a); }
+  void filled(std::uintptr_t a) noexcept {
+    if (holes_ != nullptr && !holes_->empty()) holes_->erase(a);
+  }
 
   // The old handles go, the slots hold the new ones.
   void hand_over() noexcept {
@@ -378,6 +411,7 @@ class handle_move {
   std::vector<handle_site<Slot>> sites_;
   bool to_far_;
   bool unmapped_;
+  mapping_holes<handle_type>* holes_ = nullptr;
   bool given_ = false;          // made_ holds handles given by use_handles
   bool keep_replaced_ = false;  // hand_over keeps the far handles it replaces in replaced_
   std::vector<handle_type> replaced_;
@@ -396,8 +430,10 @@ move_outcome move_handles(Backend& backend, far_memory<typename Backend::handle_
                           std::span<const handle_site<Slot>> sites, bool to_far, bool copy, stream_ref stream,
                           WaitCopies&& wait_copies, bool away_unmapped = false,
                           std::span<const typename Backend::handle_type> given = {},
-                          std::vector<typename Backend::handle_type>* kept = nullptr) {
+                          std::vector<typename Backend::handle_type>* kept = nullptr,
+                          mapping_holes<typename Backend::handle_type>* holes = nullptr) {
   handle_move<Backend, Slot> move(backend, far, sites, to_far, away_unmapped);
+  move.note_holes(holes);
   if (!given.empty()) {
     move.use_handles(given);
     copy = false;
