@@ -81,11 +81,12 @@ enum class move_outcome {
 /// Per site that is a copy, a create, a map, an access, an unmap and a release in all: no
 /// mapping of far memory and no access setting over it per move.
 ///
-/// Clean far copies (unmapped away only): keep_replaced() before finish of a move back keeps
-/// the far handles it replaces (take_replaced()) instead of releasing them; a move out given
-/// such handles (use_handles, before start) creates and copies nothing: start only checks, and
-/// finish unmaps the addresses, releases the device handles and leaves the given handles in the
-/// slots. Abandoned, it leaves the given handles to their owner.
+/// Clean far copies (either residence): keep_replaced() before finish of a move back keeps the
+/// far handles it replaces (take_replaced()) instead of releasing them; a move out given such
+/// handles (use_handles, before start) creates and copies nothing: start does nothing, and
+/// finish unmaps the addresses (mapped away: remaps them to the given handles), releases the
+/// device handles and leaves the given handles in the slots. Abandoned, it leaves the given
+/// handles to their owner.
 template <class Backend, class Slot>
 class handle_move {
  public:

@@ -230,7 +230,10 @@ def load(library=None):
 def settings():
     """The settings a device's allocator is made with if made now ("key:value,..."). Raises
     ValueError naming the setting and the variable when the environment's are invalid."""
-    lib = load()
+    return _settings_of(load())
+
+
+def _settings_of(lib):
     buffer = ctypes.create_string_buffer(1024)
     status = lib.glake_settings(buffer, len(buffer))
     text = buffer.value.decode(errors="replace")
@@ -1160,7 +1163,7 @@ class Scheduler:
         on the CPU, attach, then move the rest, e.g. model.to("cuda"), and make the optimizer)."""
         if read_only not in (None, "frozen", "all"):
             raise ValueError(f"glake_torch: read_only must be None, 'frozen' or 'all', not {read_only!r}")
-        if not backward and "far_unmapped:true" in settings().split(","):
+        if not backward and "far_unmapped:true" in _settings_of(self._lib).split(","):
             raise ValueError("glake_torch: attach(backward=False) with GLAKE_ALLOC_CONF far_unmapped: memory away "
                              "is not mapped, so a backward pass that finds a parameter away faults; use "
                              "backward=True or backward=\"outputs\"")
