@@ -352,11 +352,7 @@ class stitching_allocator {
       throw config_error(std::string(name) + "::attach_far_memory: handles of " + format_bytes(pool_.chunk()) +
                          " are not multiples of the far memory's granularity (" + format_bytes(g) + ")");
     }
-    for (auto& [address, c] : clean_) {  // copies in the far memory attached before go; marks stay
-      for (const auto& h : c.handles) far_->release(h);
-      clean_bytes_ -= c.bytes;
-      c = far_copy{};
-    }
+    for (auto& [address, c] : clean_) release_far_copy(c);  // copies in the far memory attached before go; marks stay
     if (away == far_residence::unmapped) {
       // Far handles keep a home mapping of their own (a copy of this reserver maps it): moves
       // copy straight to and from it.
@@ -1059,9 +1055,15 @@ class stitching_allocator {
   };
   using far_copy_map = std::map<std::uintptr_t, far_copy>;
 
+  // The copy's far handles go back; the mark stays.
+  void release_far_copy(far_copy& c) noexcept {
+    for (const auto& h : c.handles) far_->release(h);
+    clean_bytes_ -= c.bytes;
+    c = far_copy{};
+  }
+  // The copy and the mark go.
   void drop_far_copy(typename far_copy_map::iterator it) noexcept {
-    for (const auto& h : it->second.handles) far_->release(h);
-    clean_bytes_ -= it->second.bytes;
+    release_far_copy(it->second);
     clean_.erase(it);
   }
   // The clean far copy to use for moving the allocation at `address` out with `sites`: none
@@ -1071,9 +1073,7 @@ class stitching_allocator {
     const auto it = clean_.find(address);
     if (it == clean_.end() || it->second.handles.empty()) return nullptr;
     if (it->second.handles.size() == sites.size() && it->second.bytes == bytes) return &it->second;
-    for (const auto& h : it->second.handles) far_->release(h);
-    clean_bytes_ -= it->second.bytes;
-    it->second = far_copy{};
+    release_far_copy(it->second);
     return nullptr;
   }
   // A move out that used the clean far copy finished: its handles are the slots' now.
