@@ -218,6 +218,9 @@ config fuzzed_config(byte_reader& in) {
   c.small_limit = (b >> 5) & 1 ? 0 : 1 * MiB;
   c.memory_limit = (b >> 6) & 1 ? 192 * MiB : 0;
   c.stitch_reserve = (b >> 7) ? 1.0 : 2.0;
+  // Spare handles for moves in half the inputs, from bits shared with the settings above (a byte
+  // more would shift every input of the corpus).
+  c.move_spares = ((a ^ b) >> 4) & 1 ? 32 * MiB : 0;
   return c;
 }
 

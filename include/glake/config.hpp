@@ -69,6 +69,11 @@ struct config {
                                          ///< its addresses while there (far_residence::unmapped:
                                          ///< cheaper moves, and a use before prefetch faults),
                                          ///< for callers that bring it back before every use
+  std::size_t move_spares = 0;           ///< device handles that offloads give back are kept,
+                                         ///< up to this many bytes, for the next prefetches
+                                         ///< of their size (no release and create per move);
+                                         ///< counted as reserved, released before any request
+                                         ///< is refused and by release_cached; 0 means none
   std::size_t memory_limit = 0;          ///< most physical bytes held; 0 means no limit
   double stitch_reserve = 2.0;           ///< address space reserved for a new stitched range, as
                                          ///< a multiple of its size: the excess lets the range,
@@ -142,6 +147,7 @@ void for_each_config_field(Config& c, Visitor&& visit) {
   visit(std::string_view{"max_handle"}, c.max_handle);
   visit(std::string_view{"min_handles"}, c.min_handles);
   visit(std::string_view{"far_unmapped"}, c.far_unmapped);
+  visit(std::string_view{"move_spares"}, c.move_spares);
   visit(std::string_view{"memory_limit"}, c.memory_limit);
   visit(std::string_view{"stitch_reserve"}, c.stitch_reserve);
   visit(std::string_view{"event_interval_us"}, c.event_interval_us);

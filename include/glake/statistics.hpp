@@ -71,6 +71,8 @@ struct statistics {
   std::size_t cached_stitch_bytes = 0;   ///< virtual bytes of stitched mappings kept for reuse
   std::size_t offloaded_bytes = 0;       ///< bytes of allocations whose memory is in far memory
                                          ///< (offload), not counted in reserved_bytes
+  std::size_t spare_bytes = 0;           ///< device handles kept for the next moves (part of
+                                         ///< reserved_bytes; config::move_spares)
 
   std::uint64_t allocations = 0;         ///< successful allocate calls (zero-size ones excluded)
   std::uint64_t deallocations = 0;
@@ -94,6 +96,8 @@ struct statistics {
                                          ///< record_stream uses or cached ranges' work complete
   std::uint64_t event_queries = 0;       ///< those events asked whether they have completed
   std::uint64_t event_ns = 0;            ///< host time in those records and queries
+  std::uint64_t recycled_handles = 0;    ///< handles moves took from the spares instead of
+                                         ///< creating them (config::move_spares)
   driver_call_counts driver_calls{};
   driver_call_times driver_time{};
 };

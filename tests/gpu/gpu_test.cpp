@@ -537,6 +537,58 @@ TEST_CASE("gpu: a block marked keep_far_copy goes out without a copy and comes b
   REQUIRE(cudaStreamDestroy(copies) == cudaSuccess);
 }
 
+TEST_CASE("gpu: spare handles an offload gave back serve the next prefetch, and the bytes come back") {
+  REQUIRE(cudaFree(nullptr) == cudaSuccess);
+  config cfg;
+  cfg.move_spares = 128 * M;
+  cuda_stitching allocator(cuda_provider(0), cuda_reserver(0), cfg);
+  allocator.attach_far_memory(cuda_host_provider(0), cuda_copier{}, far_residence::unmapped);
+  cudaStream_t work = nullptr, copies = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&work, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaStreamCreateWithFlags(&copies, cudaStreamNonBlocking) == cudaSuccess);
+  const stream_ref w{work}, c{copies};
+  void* p = allocator.allocate(64 * M, w);
+  void* q = allocator.allocate(64 * M, w);
+  for (int round = 0; round < 3; ++round) {
+    const unsigned char v = static_cast<unsigned char>(20 + 2 * round);
+    REQUIRE(gpu_test::fill(p, 64 * M, v, work) == cudaSuccess);
+    REQUIRE(gpu_test::fill(q, 64 * M, v + 1, work) == cudaSuccess);
+    const std::size_t free_before = device_free_bytes();
+    allocator.offload(p, w, move_completion::deferred, c);
+    allocator.offload(q, w, move_completion::deferred, c);
+    allocator.complete_moves(true);
+    CHECK(allocator.stats().spare_bytes == 128 * M);
+    CHECK(device_free_bytes() + 16 * M < free_before + 128 * M);  // the spares are still held
+    const statistics before = allocator.stats();
+    // Back in the other order: q on handles p had.
+    allocator.prefetch(q, w, move_completion::deferred, c);
+    allocator.prefetch(p, w, move_completion::deferred, c);
+    allocator.ready_on(q, w);
+    allocator.ready_on(p, w);
+    CHECK(mismatches(q, 64 * M, v + 1, work) == 0);
+    CHECK(mismatches(p, 64 * M, v, work) == 0);
+    allocator.complete_moves(true);
+    const statistics after = allocator.stats();
+    CHECK(after.driver_calls[driver_call::create] == before.driver_calls[driver_call::create]);
+    CHECK(after.recycled_handles > before.recycled_handles);
+    CHECK(after.spare_bytes == 0);
+    allocator.verify();
+  }
+  allocator.offload(p, w);
+  const std::size_t free_before = device_free_bytes();
+  allocator.release_cached();
+  CHECK(allocator.stats().spare_bytes == 0);
+  CHECK(device_free_bytes() >= free_before + 60 * M);
+  allocator.prefetch(p, w);
+  CHECK(mismatches(p, 64 * M, 24, work) == 0);
+  allocator.deallocate(p, 64 * M, w);
+  allocator.deallocate(q, 64 * M, w);
+  allocator.verify();
+  REQUIRE(cudaStreamSynchronize(work) == cudaSuccess);
+  REQUIRE(cudaStreamDestroy(work) == cudaSuccess);
+  REQUIRE(cudaStreamDestroy(copies) == cudaSuccess);
+}
+
 TEST_CASE("gpu: deferred moves with copies on a stream of their own start after the work queued before them") {
   REQUIRE(cudaFree(nullptr) == cudaSuccess);
   cuda_stitching allocator(cuda_provider(0), cuda_reserver(0));

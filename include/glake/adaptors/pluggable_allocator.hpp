@@ -60,13 +60,14 @@ struct no_device_scope {
 /// The names of the values pluggable_allocator::stats writes, in order: the fields of
 /// `statistics`, its driver calls by kind, the host nanoseconds spent in them by kind, then the
 /// adaptor's own.
-inline constexpr std::array<std::string_view, 42> pluggable_stat_names = {
+inline constexpr std::array<std::string_view, 44> pluggable_stat_names = {
     "active_bytes",        "peak_active_bytes",   "allocated_bytes",     "peak_allocated_bytes",
     "reserved_bytes",      "peak_reserved_bytes", "cached_stitch_bytes", "offloaded_bytes",     "allocations",
     "deallocations",       "failed_allocations",  "splits",              "merges",
     "segments_created",    "segments_released",   "stitches",            "stitch_cache_hits",
     "stitch_repairs",      "stitch_grows",        "stitch_evictions",    "cross_stream_bytes",
     "device_waits",        "events_recorded",     "event_queries",       "event_ns",
+    "spare_bytes",         "recycled_handles",
     "driver_create",       "driver_release",      "driver_reserve",      "driver_address_free",
     "driver_map",          "driver_unmap",        "driver_set_access",
     "driver_create_ns",    "driver_release_ns",   "driver_reserve_ns",   "driver_address_free_ns",
@@ -74,10 +75,10 @@ inline constexpr std::array<std::string_view, 42> pluggable_stat_names = {
     "lifetime_peak_active_bytes", "lifetime_peak_reserved_bytes", "errors"};
 
 namespace detail {
-// The names after the 24 plain statistics are the driver calls in the order of `driver_call`,
+// The names after the 27 plain statistics are the driver calls in the order of `driver_call`,
 // then the same with "_ns": the time spent in them.
 constexpr bool driver_call_names_match() {
-  constexpr std::size_t plain = 25;
+  constexpr std::size_t plain = 27;
   for (std::size_t k = 0; k < driver_call_kinds; ++k) {
     const std::string_view kind = to_string(static_cast<driver_call>(k));
     const std::string_view count = pluggable_stat_names[plain + k];
@@ -268,7 +269,7 @@ inline void accumulate_counts(statistics& into, const statistics& s) noexcept {
                           {&into.stitch_grows, s.stitch_grows}, {&into.stitch_evictions, s.stitch_evictions},
                           {&into.cross_stream_bytes, s.cross_stream_bytes}, {&into.device_waits, s.device_waits},
                           {&into.events_recorded, s.events_recorded}, {&into.event_queries, s.event_queries},
-                          {&into.event_ns, s.event_ns}}) {
+                          {&into.event_ns, s.event_ns}, {&into.recycled_handles, s.recycled_handles}}) {
     *to += from;
   }
   for (std::size_t k = 0; k < driver_call_kinds; ++k) {
@@ -287,6 +288,7 @@ inline void accumulate(statistics& into, const statistics& s) noexcept {
   into.peak_reserved_bytes += s.peak_reserved_bytes;
   into.cached_stitch_bytes += s.cached_stitch_bytes;
   into.offloaded_bytes += s.offloaded_bytes;
+  into.spare_bytes += s.spare_bytes;
   accumulate_counts(into, s);
 }
 }  // namespace detail
@@ -712,7 +714,8 @@ class pluggable_allocator {
               st.deallocations, st.failed_allocations,
               st.splits, st.merges, st.segments_created, st.segments_released, st.stitches,
               st.stitch_cache_hits, st.stitch_repairs, st.stitch_grows, st.stitch_evictions, st.cross_stream_bytes,
-              st.device_waits, st.events_recorded, st.event_queries, st.event_ns}) {
+              st.device_waits, st.events_recorded, st.event_queries, st.event_ns,
+              std::uint64_t{st.spare_bytes}, st.recycled_handles}) {
           v[i++] = value;
         }
         for (const std::uint64_t calls : st.driver_calls.counts) v[i++] = calls;

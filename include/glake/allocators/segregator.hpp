@@ -174,6 +174,7 @@ class segregator {
     s.reserved_bytes = a.reserved_bytes + b.reserved_bytes;
     s.cached_stitch_bytes = a.cached_stitch_bytes + b.cached_stitch_bytes;
     s.offloaded_bytes = a.offloaded_bytes + b.offloaded_bytes;
+    s.spare_bytes = a.spare_bytes + b.spare_bytes;
     s.failed_allocations = a.failed_allocations + b.failed_allocations;
     s.splits = a.splits + b.splits;
     s.merges = a.merges + b.merges;
@@ -189,6 +190,7 @@ class segregator {
     s.events_recorded = a.events_recorded + b.events_recorded;
     s.event_queries = a.event_queries + b.event_queries;
     s.event_ns = a.event_ns + b.event_ns;
+    s.recycled_handles = a.recycled_handles + b.recycled_handles;
     for (std::size_t k = 0; k < driver_call_kinds; ++k) {
       s.driver_calls.counts[k] = a.driver_calls.counts[k] + b.driver_calls.counts[k];
       s.driver_time.ns[k] = a.driver_time.ns[k] + b.driver_time.ns[k];

@@ -142,6 +142,7 @@ class stitching_allocator {
         adoption_(max_candidates, max_reuse_probes),
         small_(borrowed_segment_source<small_lender>(small_lender{this}), small_rules(config_)) {
     pinned_.reserve(256);
+    pool_.backend().keep_spares(config_.move_spares, &counters_);
     small_.set_live_report(nullptr);  // its live blocks are this allocator's, reported here
   }
   stitching_allocator(const stitching_allocator&) = delete;
@@ -207,7 +208,8 @@ class stitching_allocator {
     std::lock_guard guard(lock_);
     complete_ready(true);
     finish_deferred(true);
-    std::size_t released = release_free_segments(bytes);
+    std::size_t released = pool_.backend().release_spares();
+    if (released < bytes) released += release_free_segments(bytes - released);
     if (released < bytes && !retain_) {
       // Empty small-pool segments are borrowed blocks of this pool: returned, they may free one.
       small_.release_free_segments(~std::size_t{0});
@@ -225,7 +227,8 @@ class stitching_allocator {
   std::size_t release_completed(std::size_t bytes) {
     std::lock_guard guard(lock_);
     track_completion_ = true;
-    return release_free_segments(bytes, false);
+    const std::size_t spares = pool_.backend().release_spares();  // unmapped, their work done
+    return spares >= bytes ? spares : spares + release_free_segments(bytes - spares, false);
   }
 
   /// Physical memory is held up to `bytes` from now on (0: no limit; PyTorch's
@@ -464,11 +467,16 @@ class stitching_allocator {
 
   /// Completes the deferred move of the allocation at `p`, waiting for its copies; nothing when
   /// it has none. A remap that fails leaves the memory where it was (residence_of says where).
+  /// When `p` is offloaded then, its device memory is given back by the time the call returns,
+  /// spare handles included (config::move_spares): what a budget shared with other processes
+  /// relies on before it hands the bytes on.
   void complete_move(const void* p) {
     std::lock_guard guard(lock_);
+    const auto address = reinterpret_cast<std::uintptr_t>(p);
     if constexpr (has_events) {
-      if (auto it = pending_.find(reinterpret_cast<std::uintptr_t>(p)); it != pending_.end()) complete_pending(it, true);
+      if (auto it = pending_.find(address); it != pending_.end()) complete_pending(it, true);
     }
+    if (pool_.backend().spare_bytes() != 0 && moved_.contains(address)) pool_.backend().release_spares();
   }
 
   /// Work queued on `stream` from this call on may use the allocation at `p`: its deferred
@@ -548,6 +556,7 @@ class stitching_allocator {
   void release_cached_locked() {
     complete_ready(true);
     finish_deferred(true);
+    pool_.backend().release_spares();  // mapped nowhere: retained memory or not
     if (retain_) return;
     evict_stitches(~std::size_t{0}, true);
     small_.release_free_segments(~std::size_t{0});
@@ -1579,6 +1588,8 @@ class stitching_allocator {
     s.merges = pool_.arena().merges() + small.merges;
     s.driver_calls = pool_.backend().calls();
     s.driver_time = pool_.backend().call_times();
+    s.spare_bytes = pool_.backend().spare_bytes();
+    s.recycled_handles = pool_.backend().recycled_handles();
     if constexpr (stitches) s.cached_stitch_bytes = stitcher_.cached_bytes();
     return s;
   }

@@ -321,7 +321,7 @@ class handle_move {
       } else if (slot.far) {
         far_->release(slot.handle);
       } else {
-        backend_->release_handle(slot.handle, slot.size);
+        backend_->release_handle(slot.handle, slot.size, true);  // counted reserved until the move out
       }
       slot.handle = made_[i];
       slot.far = to_far_;

@@ -97,7 +97,11 @@ void stitching_allocator<Provider, Reserver, Stitch, Evict, Lock, Admission, Gro
     if (!m.move->to_far()) coming_in += m.move->bytes();
     if (!m.move->to_far() != moved_.contains(address)) fail("a pending move disagrees with the moved allocations");
   }
-  if (reserved != counters_.s.reserved_bytes || reserved + coming_in != pool_.backend().physical_bytes()) {
+  // Spare handles (vmm_backend::keep_spares) are held and counted as reserved.
+  const std::size_t spares = pool_.backend().spare_bytes();
+  if (spares > pool_.backend().spare_limit()) fail("spare handles exceed their bound");
+  if (reserved + spares != counters_.s.reserved_bytes ||
+      reserved + coming_in + spares != pool_.backend().physical_bytes()) {
     fail("reserved bytes disagree with segments");
   }
   if (free_segments != pool_.free_segments()) fail("free segment queue disagrees with free segments");

@@ -9,9 +9,12 @@
 #include <optional>
 #include <span>
 #include <stdexcept>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "glake/backends/concepts.hpp"
+#include "glake/detail/accounting.hpp"
 #include "glake/detail/driver_meter.hpp"
 #include "glake/statistics.hpp"
 
@@ -78,6 +81,21 @@ class vmm_backend {
 
   vmm_backend(Provider provider, Reserver reserver, std::size_t memory_limit = 0)
       : provider_(std::move(provider)), reserver_(std::move(reserver)), limit_(memory_limit) {}
+  // Moved, the spares go along; the moved-from backend holds none.
+  vmm_backend(vmm_backend&& other) noexcept(std::is_nothrow_move_constructible_v<Provider> &&
+                                            std::is_nothrow_move_constructible_v<Reserver>)
+      : provider_(std::move(other.provider_)),
+        reserver_(std::move(other.reserver_)),
+        limit_(other.limit_),
+        physical_bytes_(other.physical_bytes_),
+        meter_(other.meter_),
+        spares_(std::exchange(other.spares_, {})),
+        spare_bytes_(std::exchange(other.spare_bytes_, 0)),
+        spare_limit_(other.spare_limit_),
+        recycled_(other.recycled_),
+        spare_counters_(other.spare_counters_) {}
+  vmm_backend& operator=(vmm_backend&&) = delete;
+  ~vmm_backend() { release_spares(); }
 
   std::size_t granularity() const noexcept {
     return std::max(provider_.granularity(), reserver_.granularity());
@@ -92,11 +110,36 @@ class vmm_backend {
   /// address_space_ceiling. A request above it can never be served.
   std::size_t capacity() const noexcept { return capacity_within(provider_, limit_, address_space_ceiling); }
   /// False when `bytes` more physical bytes certainly cannot be had: above the memory limit
-  /// less what is held, or above capacity(). O(1), so callers ask before any work proportional
-  /// to `bytes`; true does not promise that the provider has the memory.
-  bool may_add(std::size_t bytes) const noexcept {
-    if (limit_ != 0 && (physical_bytes_ >= limit_ || bytes > limit_ - physical_bytes_)) return false;
-    return bytes <= capacity();
+  /// less what is held (spare handles not counted: they go first), or above capacity(). O(1),
+  /// so callers ask before any work proportional to `bytes`; true does not promise that the
+  /// provider has the memory.
+  bool may_add(std::size_t bytes) const noexcept { return fits(bytes, physical_bytes_ - spare_bytes_); }
+
+  // --- spare handles: what moves give back, kept for the next moves ---
+
+  /// From now on, handles given back by release_handle are kept, up to `bytes` in all (0: none),
+  /// for the next try_create_handle of their size: a move out and a move back of the same
+  /// handle sizes then cost no cuMemRelease and no cuMemCreate. Spares stay in physical_bytes
+  /// and, with `counters`, in its reserved_bytes; a request the limit or the provider refuses
+  /// releases them all and is tried once more, so they never cause an out-of-memory of this
+  /// backend. Spares above a smaller new bound are released now.
+  void keep_spares(std::size_t bytes, usage_counters* counters) {
+    spare_counters_ = counters;
+    spare_limit_ = bytes;
+    const std::size_t g = std::max<std::size_t>(granularity(), 1);
+    spares_.reserve(std::min<std::size_t>(bytes / g, 4096));  // release_handle never allocates
+    while (spare_bytes_ > spare_limit_) release_spare(spares_.size() - 1);
+  }
+  std::size_t spare_limit() const noexcept { return spare_limit_; }
+  /// Physical bytes held as spare handles.
+  std::size_t spare_bytes() const noexcept { return spare_bytes_; }
+  /// Handles try_create_handle took from the spares instead of creating them.
+  std::uint64_t recycled_handles() const noexcept { return recycled_; }
+  /// Releases every spare handle; returns their bytes.
+  std::size_t release_spares() noexcept {
+    const std::size_t bytes = spare_bytes_;
+    while (!spares_.empty()) release_spare(spares_.size() - 1);
+    return bytes;
   }
   const driver_call_counts& calls() const noexcept { return meter_.counts(); }
   const driver_call_times& call_times() const noexcept { return meter_.times(); }
@@ -107,12 +150,20 @@ class vmm_backend {
   /// their sum and maps them in order. False when the limit or the backend ran out of memory;
   /// `out` is then untouched.
   bool try_create_segment(std::span<const std::size_t> sizes, segment_type& out) {
+    if (create_segment(sizes, out)) return true;
+    if (spares_.empty()) return false;
+    release_spares();
+    return create_segment(sizes, out);
+  }
+
+ private:
+  bool create_segment(std::span<const std::size_t> sizes, segment_type& out) {
     std::size_t bytes = 0;
     for (std::size_t size : sizes) {
       if (size > ~std::size_t{0} - bytes) return false;  // no backend holds that much
       bytes += size;
     }
-    if (!may_add(bytes)) return false;
+    if (!fits(bytes, physical_bytes_)) return false;
     const std::size_t count = sizes.size();
     auto slots = std::make_unique<handle_slot<handle_type>[]>(count);
     for (std::size_t i = 0, offset = 0; i < count; offset += sizes[i], ++i) {
@@ -151,6 +202,7 @@ class vmm_backend {
     return true;
   }
 
+ public:
   /// Who releases far slots' handles when their segment goes (the allocator that moved them).
   using far_releaser = void (*)(void* context, handle_type handle) noexcept;
 
@@ -178,17 +230,43 @@ class vmm_backend {
 
   // --- single handles, for moving an allocation's memory (each call metered) ---
 
-  /// A new handle of the provider's, counted in physical_bytes; empty when the limit or the
-  /// provider is out of memory.
+  /// A handle of the provider's, counted in physical_bytes: a spare of that size if one is kept
+  /// (keep_spares), else a new one; empty when the limit or the provider is out of memory.
   std::optional<handle_type> try_create_handle(std::size_t bytes) {
-    if (!may_add(bytes)) return std::nullopt;
-    auto h = meter_(driver_call::create, [&] { return provider_.try_create(bytes); });
-    if (h) physical_bytes_ += bytes;
-    return h;
+    for (std::size_t i = spares_.size(); i-- > 0;) {
+      if (spares_[i].size != bytes) continue;
+      const handle_type h = spares_[i].handle;
+      spares_[i] = spares_.back();
+      spares_.pop_back();
+      unspare(bytes);
+      ++recycled_;
+      return h;
+    }
+    if (auto h = create_handle(bytes)) return h;
+    if (spares_.empty()) return std::nullopt;
+    release_spares();
+    return create_handle(bytes);
   }
   /// Gives back a handle of try_create_handle (or of a segment's slot, which then is the
-  /// caller's to forget).
-  void release_handle(handle_type& handle, std::size_t bytes) noexcept {
+  /// caller's to forget): kept as a spare while the spares' bound and the memory limit allow.
+  /// `counted`: the keep_spares counters count the handle as reserved until the caller takes it
+  /// out (a segment's slot moving out), so it is not a new peak; otherwise (a handle made for a
+  /// move that did not happen) it joins reserved_bytes now, peak included.
+  void release_handle(handle_type& handle, std::size_t bytes, bool counted = false) noexcept {
+    const bool keep = bytes <= spare_limit_ - spare_bytes_ && spares_.size() < spares_.capacity() &&
+                      (limit_ == 0 || physical_bytes_ <= limit_);
+    if (keep) {
+      spares_.push_back(spare{handle, bytes});  // within the capacity reserved
+      spare_bytes_ += bytes;
+      if (spare_counters_ != nullptr) {
+        if (counted) {
+          spare_counters_->s.reserved_bytes += bytes;  // the caller's move out takes it away again
+        } else {
+          spare_counters_->on_extend(bytes);
+        }
+      }
+      return;
+    }
     release(handle);
     physical_bytes_ -= bytes;
   }
@@ -322,6 +400,34 @@ class vmm_backend {
   void free_stitched(void* base, std::size_t bytes) noexcept { free_range(base, bytes); }
 
  private:
+  struct spare {
+    handle_type handle{};
+    std::size_t size = 0;
+  };
+
+  bool fits(std::size_t bytes, std::size_t held) const noexcept {
+    if (limit_ != 0 && (held >= limit_ || bytes > limit_ - held)) return false;
+    return bytes <= capacity();
+  }
+  std::optional<handle_type> create_handle(std::size_t bytes) {
+    if (!fits(bytes, physical_bytes_)) return std::nullopt;
+    auto h = meter_(driver_call::create, [&] { return provider_.try_create(bytes); });
+    if (h) physical_bytes_ += bytes;
+    return h;
+  }
+  void unspare(std::size_t bytes) noexcept {
+    spare_bytes_ -= bytes;
+    if (spare_counters_ != nullptr) spare_counters_->s.reserved_bytes -= bytes;
+  }
+  void release_spare(std::size_t i) noexcept {
+    spare s = spares_[i];
+    spares_[i] = spares_.back();
+    spares_.pop_back();
+    unspare(s.size);
+    release(s.handle);
+    physical_bytes_ -= s.size;
+  }
+
   // The index of the first change that appends (changes.size() when none does).
   static std::size_t appends_from(std::span<const replacement> changes, std::size_t layout_size) noexcept {
     std::size_t c = 0;
@@ -350,6 +456,11 @@ class vmm_backend {
   std::size_t limit_ = 0;
   std::size_t physical_bytes_ = 0;
   driver_meter meter_;
+  std::vector<spare> spares_;
+  std::size_t spare_bytes_ = 0;
+  std::size_t spare_limit_ = 0;
+  std::uint64_t recycled_ = 0;
+  usage_counters* spare_counters_ = nullptr;
 };
 
 }  // namespace glake::detail
