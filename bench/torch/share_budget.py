@@ -35,7 +35,9 @@ Reported: per phase, each workload's status, step times (median, p10-p90), losse
 solo run's, step by step), its scheduler's counters; combined throughput (all steps over the time
 from the first step's start to the last step's end; serial: over the sum of the solo runs' times)
 and its ratio to serial; per-step stall (a step's time over the same workload's solo median).
-Rounds (--rounds) alternate the order of the solo runs and of the shared phases.
+Rounds (--rounds) alternate the order of the solo runs and of the shared phases. A phase named
+with "+b" (e.g. together+b) runs as the phase without it, its processes' GLAKE_ALLOC_CONF
+extended by --conf-b: an A/B of an allocator setting against the same solo baseline.
 
     python3 bench/torch/share_budget.py --library build/torch/libglake_torch.so \\
         --budget-tool build/release/tools/glake-budget --workloads 2 --fraction 0.75 --steps 30
@@ -159,6 +161,8 @@ def child(args):
             driver1 = glake_torch.stats()
             result["driver_ms"] = {(k[len("driver_"):-3] or "all"): (driver1[k] - driver0.get(k, 0)) / 1e6
                                    for k in driver1 if k.startswith("driver_") and k.endswith("_ns")}
+            result["recycled_handles"] = driver1.get("recycled_handles", 0) - driver0.get("recycled_handles", 0)
+            result["driver_creates"] = driver1.get("driver_create", 0) - driver0.get("driver_create", 0)
         if scheduler is not None:
             result["scheduler"] = scheduler.stats()
             result["far_copy_bytes"] = glake_torch.far_copy_bytes()
@@ -195,6 +199,8 @@ def launch(args, k, phase, allocator, result_file, socket=None, budget=0):
     elif budget:
         cmd += ["--local", "--budget", str(budget)]
     env = dict(os.environ)
+    if phase.endswith("+b") and args.conf_b:
+        env["GLAKE_ALLOC_CONF"] = ",".join(x for x in (env.get("GLAKE_ALLOC_CONF", ""), args.conf_b) if x)
     if allocator == "default":
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     log = open(result_file + ".log", "w")
@@ -273,6 +279,8 @@ def shared_summary(runs, solo_median, rnd, solo_losses):
     s["device_used_peak_gib"] = [x["peak_used_bytes"] / GiB for x in runs]
     s["scheduling_ms_median"] = [statistics.median(x["scheduling_ms"][WARMUP:]) for x in runs]
     steps = len(runs[0]["starts"])
+    s["recycled_per_step"] = [round(x.get("recycled_handles", 0) / steps, 1) for x in runs]
+    s["creates_per_step"] = [round(x.get("driver_creates", 0) / steps, 1) for x in runs]
     s["driver_ms_per_step"] = [{k: round(v / steps, 1) for k, v in x.get("driver_ms", {}).items() if v / steps >= 1}
                                for x in runs]
     return s
@@ -300,6 +308,7 @@ def main():
     ap.add_argument("--read-only", default="none", choices=("none", "frozen"),
                     help="frozen: the scheduler manages frozen weights read-only (their offloads copy nothing)")
     ap.add_argument("--phases", default="together,staggered,default")
+    ap.add_argument("--conf-b", default="", help="GLAKE_ALLOC_CONF settings added in the phases named <phase>+b")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=240)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -326,7 +335,7 @@ def main():
     report = {"gpu": torch.cuda.get_device_name(), "model": args.model, "batch": args.batch, "steps": args.steps,
               "workloads": args.workloads, "fraction": args.fraction, "moves": args.moves, "backward": args.backward,
               "read_only": args.read_only,              "deterministic": args.deterministic, "attention": args.attention,
-              "alloc_conf": os.environ.get("GLAKE_ALLOC_CONF"), "rounds": []}
+              "alloc_conf": os.environ.get("GLAKE_ALLOC_CONF"), "conf_b": args.conf_b, "rounds": []}
     solo_losses = {}
     for r in range(args.rounds):
         rnd = {"round": r}
@@ -381,14 +390,15 @@ def main():
         filler = torch.empty(max(free - cap, 0), dtype=torch.uint8, device="cuda")
         rnd["free_after_filler_gib"] = torch.cuda.mem_get_info()[0] / GiB
         for phase in (phases if r % 2 == 0 else list(reversed(phases))):
-            if phase == "unlimited":
+            kind = phase.removesuffix("+b")  # "+b": the same phase with --conf-b
+            if kind == "unlimited":
                 continue
-            if phase == "default":
+            if kind == "default":
                 runs = run_phase(args, phase, "default", work)
                 rnd[phase] = {"status": [x["status"] for x in runs], "glake_gib": [x.get("glake_gib") for x in runs],
                               "errors": [x.get("error", "")[-200:] for x in runs if x["status"] != "ok"]}
                 continue
-            if phase == "partitioned":  # a static split: a local budget each, no coordinator
+            if kind == "partitioned":  # a static split: a local budget each, no coordinator
                 runs = run_phase(args, phase, "glake", work, None, budget // args.workloads)
                 rnd[phase] = shared_summary(runs, solo_median, rnd, solo_losses)
                 continue
@@ -400,7 +410,7 @@ def main():
                 time.sleep(0.05)
             try:
                 runs = run_phase(args, phase, "glake", work, socket, budget,
-                                 stagger=args.stagger if phase == "staggered" else 0.0)
+                                 stagger=args.stagger if kind == "staggered" else 0.0)
             finally:
                 coordinator.terminate()
                 coordinator.wait()
