@@ -200,8 +200,8 @@ class stitching_allocator {
     release_cached_locked();
   }
 
-  /// Gives fully free segments back until at least `bytes` went back, or none is left; returns
-  /// how many bytes went back. Lets memory that moves into the device from elsewhere (a
+  /// Gives spare handles (config::move_spares), then fully free segments back until at least
+  /// `bytes` went back, or none is left; returns how many bytes went back. Lets memory that moves into the device from elsewhere (a
   /// virtual_buffer's prefetch) take the place of what this allocator caches, without emptying
   /// the whole cache. Nothing while retaining memory (retain_memory).
   std::size_t release_cached(std::size_t bytes) {
@@ -219,8 +219,9 @@ class stitching_allocator {
     return released;
   }
 
-  /// As release_cached(bytes), but never waits for the device: only fully free segments whose
-  /// last free's work is known complete (the streams' events, polled) go back; the others stay.
+  /// As release_cached(bytes), but never waits for the device: spare handles (no work uses
+  /// them) and only fully free segments whose last free's work is known complete (the streams'
+  /// events, polled) go back; the others stay.
   /// For a caller on a hot path that can take fresh memory instead (a prefetch during backward).
   /// With one stream, frees are not followed by events (nothing else needs them); the first call
   /// turns that on, so from then on frees become releasable once their work completed.
