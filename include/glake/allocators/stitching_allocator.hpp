@@ -201,9 +201,10 @@ class stitching_allocator {
   }
 
   /// Gives spare handles (config::move_spares), then fully free segments back until at least
-  /// `bytes` went back, or none is left; returns how many bytes went back. Lets memory that moves into the device from elsewhere (a
-  /// virtual_buffer's prefetch) take the place of what this allocator caches, without emptying
-  /// the whole cache. Nothing while retaining memory (retain_memory).
+  /// `bytes` went back, or none is left; returns how many bytes went back. Lets memory that
+  /// moves into the device from elsewhere (a virtual_buffer's prefetch) take the place of what
+  /// this allocator caches, without emptying the whole cache. While retaining memory
+  /// (retain_memory), only the spares (mapped nowhere) go.
   std::size_t release_cached(std::size_t bytes) {
     std::lock_guard guard(lock_);
     complete_ready(true);
@@ -356,7 +357,8 @@ class stitching_allocator {
       throw config_error(std::string(name) + "::attach_far_memory: handles of " + format_bytes(pool_.chunk()) +
                          " are not multiples of the far memory's granularity (" + format_bytes(g) + ")");
     }
-    for (auto& [address, c] : clean_) release_far_copy(c);  // copies in the far memory attached before go; marks stay
+    // Copies in the far memory attached before go; the marks stay.
+    for (auto& [address, c] : clean_) release_far_copy(c);
     if (away == far_residence::unmapped) {
       // Far handles keep a home mapping of their own (a copy of this reserver maps it): moves
       // copy straight to and from it.
