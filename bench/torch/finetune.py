@@ -82,6 +82,18 @@ MODELS = {
         kind="gpt_neox", hidden_size=2560, num_hidden_layers=32, num_attention_heads=32, intermediate_size=10240,
         vocab_size=50304, max_position_embeddings=2048, rotary_pct=0.25, use_parallel_residual=True,
     ),
+    # Encoder-decoder: T5-base's shape; batch 16 of source 64..512 and target 16..256 tokens.
+    "t5-base": dict(
+        kind="t5", d_model=768, d_kv=64, d_ff=3072, num_layers=12, num_decoder_layers=12, num_heads=12,
+        vocab_size=32128, relative_attention_num_buckets=32, feed_forward_proj="relu", tie_word_embeddings=True,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    ),
+    # Variable-length full fine-tuning: a 1.2B Mistral shape, sequences 64..2048 in token-budget
+    # batches (about TOKEN_BUDGET tokens a batch: many short sequences or a few long ones).
+    "mistral1.2b": dict(
+        kind="mistral", hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+        intermediate_size=6144, vocab_size=32000, max_position_embeddings=4096, sliding_window=None,
+    ),
     # Inference shapes: a ~150k vocabulary (Qwen2) and a 128k-vocabulary 1B Llama (Llama 3.2 1B).
     "qwen2-0.5b": dict(
         kind="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -94,8 +106,15 @@ MODELS = {
     ),
 }
 TRAINING_MODELS = ("opt1.3b", "llama1b", "pythia2.8b")
+# Shapes whose batches are not BATCH x a length: seq2seq (source, target) pairs, token budgets.
+SEQ2SEQ_MODELS = ("t5-base",)
+SEQ2SEQ_BATCH = 16
+SEQ2SEQ_SOURCE, SEQ2SEQ_TARGET = (64, 512), (16, 256)
+TOKEN_BUDGET_MODELS = ("mistral1.2b",)
+TOKEN_BUDGET, TOKEN_BUDGET_LENGTHS = 8192, (64, 2048)
 INFERENCE_MODELS = ("llama3.2-1b", "qwen2-0.5b")
-CONFIG_CLASSES = {"opt": "OPTConfig", "llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen2": "Qwen2Config"}
+CONFIG_CLASSES = {"opt": "OPTConfig", "llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen2": "Qwen2Config",
+                  "t5": "T5Config", "mistral": "MistralConfig"}
 ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
@@ -108,9 +127,16 @@ def inference_module():
     return importlib.import_module("inference")
 
 
-def sequence_lengths(steps, seed=SEED):
-    """The same lengths for every allocator and rank."""
+def sequence_lengths(steps, seed=SEED, model=None):
+    """The same lengths for every allocator and rank: a length per step; for seq2seq models a
+    [source, target] pair; for token-budget models [batch, length] with batch x length about
+    TOKEN_BUDGET."""
     rng = random.Random(seed)
+    if model in SEQ2SEQ_MODELS:
+        return [[rng.randint(*SEQ2SEQ_SOURCE), rng.randint(*SEQ2SEQ_TARGET)] for _ in range(steps)]
+    if model in TOKEN_BUDGET_MODELS:
+        lengths = [rng.randint(*TOKEN_BUDGET_LENGTHS) for _ in range(steps)]
+        return [[max(1, TOKEN_BUDGET // n), n] for n in lengths]
     return [rng.randint(MIN_LEN, MAX_LEN) for _ in range(steps)]
 
 
@@ -300,7 +326,10 @@ def run_training(args, result, device):
         result["allocator_timing_library"] = path
 
     import transformers
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    seq2seq = args.model in SEQ2SEQ_MODELS
+    model_class = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
 
     result.update(torch_version=torch.__version__, transformers_version=transformers.__version__)
     torch.cuda.set_device(device)
@@ -336,9 +365,9 @@ def run_training(args, result, device):
     try:
         with torch.device("cuda", device):
             try:
-                model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+                model = model_class.from_config(config, attn_implementation="sdpa")
             except (ValueError, ImportError, TypeError):
-                model = AutoModelForCausalLM.from_config(config)
+                model = model_class.from_config(config)
     finally:
         torch.set_default_dtype(previous_dtype)
     if any(p.dtype != torch.bfloat16 for p in model.parameters()):
@@ -354,7 +383,8 @@ def run_training(args, result, device):
     if args.strategy in ("LR", "LO") and not inferring:
         import peft
 
-        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, task_type="CAUSAL_LM"))
+        task = "SEQ_2_SEQ_LM" if seq2seq else "CAUSAL_LM"
+        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, task_type=task))
         result["peft_version"] = peft.__version__
     if not inferring:
         model.train()
@@ -373,8 +403,13 @@ def run_training(args, result, device):
                            for c in lengths]
         result["batch"] = None
     else:
-        lengths = sequence_lengths(args.steps)
+        lengths = sequence_lengths(args.steps, model=args.model)
         result["seq_lengths"] = lengths
+        if seq2seq:
+            result["batch"] = SEQ2SEQ_BATCH
+        elif args.model in TOKEN_BUDGET_MODELS:
+            result["batch"] = None
+            result["token_budget"] = TOKEN_BUDGET
     generator = torch.Generator(device=f"cuda:{device}")
     generator.manual_seed(SEED + result["rank"])
     saved_on_host = torch.autograd.graph.save_on_cpu if args.strategy == "LO" else None
@@ -435,12 +470,21 @@ def run_training(args, result, device):
             return generate_step(length)
         torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        ids = torch.randint(0, config.vocab_size, (BATCH, length), device=f"cuda:{device}", generator=generator)
+        cuda = f"cuda:{device}"
+        if seq2seq:  # [source, target] tokens, SEQ2SEQ_BATCH rows
+            ids = torch.randint(0, config.vocab_size, (SEQ2SEQ_BATCH, length[0]), device=cuda, generator=generator)
+            labels = torch.randint(0, config.vocab_size, (SEQ2SEQ_BATCH, length[1]), device=cuda, generator=generator)
+        elif isinstance(length, list):  # [batch, length]: a token budget
+            ids = torch.randint(0, config.vocab_size, tuple(length), device=cuda, generator=generator)
+            labels = ids
+        else:
+            ids = torch.randint(0, config.vocab_size, (BATCH, length), device=cuda, generator=generator)
+            labels = ids
         if saved_on_host is not None:
             with saved_on_host(pin_memory=True):
-                loss = model(input_ids=ids, labels=ids).loss
+                loss = model(input_ids=ids, labels=labels).loss
         else:
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = model(input_ids=ids, labels=labels).loss
         sample()
         loss.backward()
         sample()
