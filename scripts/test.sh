@@ -1,21 +1,47 @@
 #!/usr/bin/env bash
-# Builds and runs all tests twice: a Debug build (build/debug; with the RMM tests where RMM's pip
-# wheels can be installed, see rmm_setup), then a RelWithDebInfo build
-# under AddressSanitizer + UBSan (build/asan, package tests excluded); then the multi-threaded
-# tests alone under ThreadSanitizer (build/tsan, only glake_thread_tests built, `ctest -L threads`);
-# then each fuzz target for FUZZ_SECONDS (default 60) from its committed corpus (fuzz/run.sh,
-# build/fuzz, Clang). Runs every stage even if an earlier one fails; exits non-zero if any does,
-# after a summary line. Warnings are errors here (-DGLAKE_WERROR=ON), though the option is off
-# by default.
+# Builds and runs all tests, printing each stage's time:
+#   1. checked: one Debug build (assertions on) at -O1 under AddressSanitizer + UBSan
+#      (build/checked) and every test: the doctest suites, tools, examples, the plug-in's Python
+#      tests, the package tests, and RMM's tests where RMM's pip wheels can be installed (see
+#      rmm_setup; the RMM test executable is left unsanitized, as RMM's library is);
+#   2. tsan: the multi-threaded tests alone under ThreadSanitizer (build/tsan, `ctest -L threads`);
+#   3. fuzz: each fuzz target for FUZZ_SECONDS (default 30) from its committed corpus, after its
+#      committed reproducers (fuzz/run.sh, build/fuzz, Clang).
+# Runs every stage even if an earlier one fails; exits non-zero if any does, after a summary line.
+# Warnings are errors here (-DGLAKE_WERROR=ON), though the option is off by default.
+#
+#   scripts/test.sh --quick   one plain Debug build (build/debug) and its tests: no sanitizers,
+#                             no RMM, no fuzzing. The loop while changing code.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+quick=false
+case ${1:-} in
+  --quick) quick=true ;;
+  "") ;;
+  -h | --help)
+    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+    exit 0
+    ;;
+  *)
+    echo "test.sh: unknown argument '$1' (see scripts/test.sh --help)" >&2
+    exit 2
+    ;;
+esac
+
+started=$SECONDS
 ./scripts/setup.sh
 
 generator=()
 if command -v ninja >/dev/null 2>&1; then
   generator=(-G Ninja)
 fi
+
+# stage_time <name> <start>: one line with a stage's wall time.
+stage_time() {
+  local s=$((SECONDS - $2))
+  printf 'test.sh: %s took %dm%02ds\n' "$1" $((s / 60)) $((s % 60))
+}
 
 # configure_and_build <dir> <cmake args...>
 configure_and_build() {
@@ -28,9 +54,39 @@ configure_and_build() {
     cmake --build "$dir" -j2
 }
 
-# RMM for the Debug stage (GLAKE_WITH_RMM: tests/rmm_resource_test.cpp without a GPU, the RMM GPU
-# tests and bench_rmm compiled): RMM's pip wheels in a venv under build/ (installed once, then
-# reused), where the platform allows; otherwise one line says why the RMM tests are skipped.
+# run_ctest <dir> <ctest args...>: the tests, then the ten slowest (where the time goes).
+run_ctest() {
+  local dir=$1
+  shift
+  local status=0
+  (cd "$dir" && ctest --output-on-failure -j2 --timeout 900 "$@") || status=$?
+  if [[ -f $dir/Testing/Temporary/LastTest.log ]]; then
+    echo "test.sh: the slowest tests in $dir:"
+    sed -n 's/^"\(.*\)" end time: .*//; s/^\([0-9]*\/[0-9]* Test: \)\(.*\)/\2/p; s/^Test time = *\([0-9.]*\) sec/\1/p' \
+      "$dir/Testing/Temporary/LastTest.log" | paste - - | sort -t$'\t' -k2 -rn | head -10 |
+      awk -F'\t' '{printf "  %7.1f s  %s\n", $2, $1}'
+  fi
+  return $status
+}
+
+if $quick; then
+  quick_result=FAIL
+  t=$SECONDS
+  echo "=== test.sh --quick: Debug build and tests (build/debug) ==="
+  if configure_and_build build/debug -DCMAKE_BUILD_TYPE=Debug -DGLAKE_SANITIZE= -DGLAKE_WITH_RMM=OFF &&
+     run_ctest build/debug; then
+    quick_result=PASS
+  fi
+  stage_time "the quick stage" "$t"
+  stage_time "everything" "$started"
+  echo "test.sh --quick: $quick_result"
+  [[ $quick_result == PASS ]]
+  exit
+fi
+
+# RMM for the checked stage (GLAKE_WITH_RMM: tests/rmm_resource_test.cpp without a GPU, the RMM
+# GPU tests and bench_rmm compiled): RMM's pip wheels in a venv under build/ (installed once,
+# then reused), where the platform allows; otherwise one line says why the RMM tests are skipped.
 rmm_args=(-DGLAKE_WITH_RMM=OFF)
 rmm_venv=build/rmm-venv
 rmm_setup() {
@@ -79,24 +135,20 @@ rmm_setup() {
 }
 rmm_setup || true
 
-debug=FAIL
-echo "=== test.sh: Debug build (build/debug) ==="
-if configure_and_build build/debug -DCMAKE_BUILD_TYPE=Debug -DGLAKE_SANITIZE= "${rmm_args[@]}" &&
-   (cd build/debug && ctest --output-on-failure -j2 --timeout 600); then
-  debug=PASS
-fi
-
-asan=FAIL
-echo "=== test.sh: AddressSanitizer + UBSan build (build/asan) ==="
+checked=FAIL
+t=$SECONDS
+echo "=== test.sh: checked build, Debug at -O1 under AddressSanitizer + UBSan (build/checked) ==="
 export ASAN_OPTIONS=detect_leaks=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-if configure_and_build build/asan -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-     -DGLAKE_SANITIZE=address,undefined &&
-   (cd build/asan && ctest --output-on-failure -j2 --timeout 600 -LE package); then
-  asan=PASS
+if configure_and_build build/checked -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_CXX_FLAGS_DEBUG=-g -O1" \
+     -DGLAKE_SANITIZE=address,undefined "${rmm_args[@]}" &&
+   run_ctest build/checked; then
+  checked=PASS
 fi
+stage_time "the checked stage" "$t"
 
 tsan=FAIL
+t=$SECONDS
 echo "=== test.sh: ThreadSanitizer, multi-threaded tests only (build/tsan) ==="
 export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
 tsan_gen=()
@@ -109,16 +161,20 @@ if cmake -S . -B build/tsan "${tsan_gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
    (cd build/tsan && ctest --output-on-failure -j2 --timeout 600 -L threads); then
   tsan=PASS
 fi
+stage_time "the tsan stage" "$t"
 
 fuzz=FAIL
-echo "=== test.sh: fuzzing, ${FUZZ_SECONDS:-60} s a target (build/fuzz; docs/fuzzing.md) ==="
+t=$SECONDS
+echo "=== test.sh: fuzzing, ${FUZZ_SECONDS:-30} s a target (build/fuzz; docs/fuzzing.md) ==="
 # Absurd request sizes (2^40 .. SIZE_MAX) included: every allocator refuses them at once.
-if GLAKE_FUZZ_ABSURD=${GLAKE_FUZZ_ABSURD:-1} ./fuzz/run.sh "${FUZZ_SECONDS:-60}"; then
+if GLAKE_FUZZ_ABSURD=${GLAKE_FUZZ_ABSURD:-1} ./fuzz/run.sh "${FUZZ_SECONDS:-30}"; then
   fuzz=PASS
 fi
+stage_time "the fuzz stage" "$t"
 
-stages="debug: $debug, asan+ubsan: $asan, tsan: $tsan, fuzz: $fuzz"
-if [[ $debug == PASS && $asan == PASS && $tsan == PASS && $fuzz == PASS ]]; then
+stage_time "everything" "$started"
+stages="checked (Debug, ASan+UBSan): $checked, tsan: $tsan, fuzz: $fuzz"
+if [[ $checked == PASS && $tsan == PASS && $fuzz == PASS ]]; then
   echo "test.sh: ALL PASSED ($stages)"
 else
   echo "test.sh: FAILED ($stages)"
