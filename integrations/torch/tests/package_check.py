@@ -83,7 +83,7 @@ def main():
     env.pop("GLAKE_TORCH_C10", None)
     env.pop("GLAKE_TORCH_PYTHON", None)
     pip = [python, "-m", "pip"]
-    # pip's isolated build environment installs setuptools and wheel from the index.
+    # pip's isolated build environment installs setuptools from the index (or PIP_FIND_LINKS with PIP_NO_INDEX=1).
     probe = subprocess.run(pip + ["download", "-q", "--no-deps", "-d", os.path.join(work, "probe"), "setuptools>=77"],
                            env=env, capture_output=True, text=True, timeout=600)
     if probe.returncode != 0:
