@@ -11,8 +11,9 @@
 #                                              build/torch/libglake_allocator_timing.so (needs torch)
 #
 # CUDA_HOME (default /usr/local/cuda), CXX (default g++), BOOST_INCLUDEDIR (Boost's headers where
-# they are not on the compiler's path) and PYTHON (whose torch, if it imports one; default python3)
-# are honoured.
+# they are not on the compiler's path), PYTHON (whose torch, if it imports one; default python3),
+# GLAKE_TORCH_DIR and GLAKE_TORCH_CXX11_ABI (torch's package directory and C++ ABI, instead of
+# asking PYTHON) and GLAKE_TORCH_C10=0 (no torch) are honoured.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 cuda=${CUDA_HOME:-/usr/local/cuda}
@@ -48,14 +49,25 @@ if ! echo '#include <boost/intrusive/set.hpp>' | "$cxx" -std=c++20 -x c++ -fsynt
   exit 1
 fi
 # Where python3 imports torch, the plug-in is built against its headers and libc10 (its C++ ABI):
-# out of memory then reaches Python as torch.cuda.OutOfMemoryError. GLAKE_TORCH_C10=0 turns it off.
+# out of memory then reaches Python as torch.cuda.OutOfMemoryError. GLAKE_TORCH_C10=0 turns it off;
+# GLAKE_TORCH_DIR and GLAKE_TORCH_CXX11_ABI name torch's package directory and ABI instead of asking
+# python3 (integrations/torch/setup.py finds them past pip's build isolation). The rpath looks
+# beside the plug-in first: a wheel installed next to torch in site-packages finds its libc10.
 c10=()
-if [[ ${GLAKE_TORCH_C10:-1} != 0 ]] &&
-   torch_dir=$("$python" -c "import os, torch; print(os.path.dirname(torch.__file__))" 2>/dev/null); then
-  abi=$("$python" -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))")
-  c10=(-DGLAKE_TORCH_WITH_C10=1 -D_GLIBCXX_USE_CXX11_ABI="$abi" -isystem "$torch_dir/include"
-       -L"$torch_dir/lib" -lc10 -Wl,-rpath,"$torch_dir/lib")
+if [[ ${GLAKE_TORCH_C10:-1} != 0 ]]; then
+  torch_dir=${GLAKE_TORCH_DIR:-}
+  abi=${GLAKE_TORCH_CXX11_ABI:-}
+  if [[ -z $torch_dir ]] &&
+     torch_dir=$("$python" -c "import os, torch; print(os.path.dirname(torch.__file__))" 2>/dev/null); then
+    abi=$("$python" -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))")
+  fi
+  if [[ -n $torch_dir ]]; then
+    c10=(-DGLAKE_TORCH_WITH_C10=1 -D_GLIBCXX_USE_CXX11_ABI="${abi:-1}" -isystem "$torch_dir/include"
+         -L"$torch_dir/lib" -lc10 '-Wl,-rpath,$ORIGIN/../torch/lib' -Wl,-rpath,"$torch_dir/lib")
+  fi
 fi
+# The sources: integrations/torch/sources.txt, the one list (CMake reads it too).
+mapfile -t sources < <(grep -v -e '^#' -e '^[[:space:]]*$' integrations/torch/sources.txt | sed 's|^|integrations/torch/|')
 mkdir -p "$(dirname "$out")"
 # --exclude-libs,ALL and -Bsymbolic: where the compiler links its C++ runtime statically (the GPU
 # machine's g++ does), the copy inside the plug-in must stay private; exported, its symbols bind
@@ -64,7 +76,7 @@ mkdir -p "$(dirname "$out")"
 # time the real libcuda.so.1 is loaded. GLAKE_CHECKED=1 as in the CMake build: bad frees are caught.
 "$cxx" -std=c++20 -O2 -g -shared -fPIC -fvisibility=hidden -Wall -Wextra -DGLAKE_CHECKED=1 \
   -Iinclude -Iintegrations/torch "${deps[@]}" -isystem "$cuda/include" \
-  integrations/torch/glake_torch.cpp "${c10[@]}" \
+  "${sources[@]}" "${c10[@]}" \
   -L"$cuda/lib64" -L"$cuda/lib" -L"$cuda/lib64/stubs" -L"$cuda/lib/stubs" -lcuda \
   -Wl,--exclude-libs,ALL -Wl,-Bsymbolic -o "$out"
 note=""

@@ -33,7 +33,10 @@ set_end_allocate_to_pool_fn, set_release_pool) where this PyTorch has them, so t
 torch.cuda.graph captures into a pool of its own.
 
 Nothing here needs torch except enable(); stats(), empty_cache(), reset_peak_stats() and the
-snapshot functions work on the library alone (load()).
+snapshot functions work on the library alone (load()), which needs the NVIDIA driver (libcuda.so.1):
+without one, load() and everything that calls it raise DriverNotFoundError (an OSError) saying so.
+PYTORCH_CUDA_ALLOC_CONF's keys that have a glake equivalent are applied under GLAKE_ALLOC_CONF
+(which wins), and one warning names the others (_conf.py has the table).
 """
 
 import atexit
@@ -44,7 +47,13 @@ import os
 import pickle
 import sys
 
+from . import _conf
+from ._loading import DriverNotFoundError, open_library as _open_library
+
+__version__ = "0.1.0"
+
 __all__ = [
+    "DriverNotFoundError",
     "enable",
     "enabled",
     "load",
@@ -72,6 +81,16 @@ __all__ = [
     "movable_stats",
     "movable_allocations",
     "copy_",
+    "host_time",
+    "far_copy_bytes",
+    "MovableMemory",
+    "SafetensorsEntry",
+    "safetensors_layout",
+    "load_safetensors",
+    "SharedMemory",
+    "shared_weights_layout",
+    "share_weights",
+    "Scheduler",
 ]
 
 # PyTorch's _record_memory_history keeps every entry by default (max_entries=sys.maxsize); glake's
@@ -131,12 +150,13 @@ def library_path(library=None, root=None):
 def load(library=None):
     """Loads the plug-in (once per process) and returns the ctypes library."""
     global _lib, _lib_path, _names
+    _conf.fold_pytorch_conf()  # before any allocator reads GLAKE_ALLOC_CONF
     if _lib is not None:
         if library and os.path.realpath(library) != os.path.realpath(_lib_path):
             raise RuntimeError(f"glake_torch: already loaded from {_lib_path}, cannot switch to {library}")
         return _lib
     path = library_path(library)
-    lib = ctypes.CDLL(path)
+    lib = _open_library(path)
     lib.glake_malloc.restype = ctypes.c_void_p
     lib.glake_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     lib.glake_free.restype = None
