@@ -49,12 +49,19 @@ if ! echo '#include <boost/intrusive/set.hpp>' | "$cxx" -std=c++20 -x c++ -fsynt
 fi
 # Where python3 imports torch, the plug-in is built against its headers and libc10 (its C++ ABI):
 # out of memory then reaches Python as torch.cuda.OutOfMemoryError. GLAKE_TORCH_C10=0 turns it off.
+# There the native allocator (native_allocator.cpp: glake as torch's own CUDA allocator) is built
+# in as well, against libtorch_cuda and libc10_cuda; GLAKE_TORCH_NATIVE=0 leaves it out.
+# TORCH_DIR names a torch installation to build against instead of python3's (its torch/ folder).
 c10=()
 if [[ ${GLAKE_TORCH_C10:-1} != 0 ]] &&
-   torch_dir=$("$python" -c "import os, torch; print(os.path.dirname(torch.__file__))" 2>/dev/null); then
-  abi=$("$python" -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))")
-  c10=(-DGLAKE_TORCH_WITH_C10=1 -D_GLIBCXX_USE_CXX11_ABI="$abi" -isystem "$torch_dir/include"
-       -L"$torch_dir/lib" -lc10 -Wl,-rpath,"$torch_dir/lib")
+   torch_dir=${TORCH_DIR:-$("$python" -c "import os, torch; print(os.path.dirname(torch.__file__))" 2>/dev/null)}; then
+  abi=${TORCH_CXX11_ABI:-$("$python" -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))")}
+  c10=(-DGLAKE_TORCH_WITH_C10=1 -D_GLIBCXX_USE_CXX11_ABI="$abi" -isystem "$torch_dir/include")
+  if [[ ${GLAKE_TORCH_NATIVE:-1} != 0 ]]; then
+    c10+=(-DGLAKE_TORCH_NATIVE=1 integrations/torch/native_allocator.cpp -L"$torch_dir/lib" -ltorch_cuda -lc10_cuda
+          -L"$cuda/lib64" -L"$cuda/lib" -lcudart)
+  fi
+  c10+=(-L"$torch_dir/lib" -lc10 -Wl,-rpath,"$torch_dir/lib")
 fi
 mkdir -p "$(dirname "$out")"
 # --exclude-libs,ALL and -Bsymbolic: where the compiler links its C++ runtime statically (the GPU
@@ -69,4 +76,5 @@ mkdir -p "$(dirname "$out")"
   -Wl,--exclude-libs,ALL -Wl,-Bsymbolic -o "$out"
 note=""
 ((${#c10[@]})) && note=", against torch (out of memory is torch.cuda.OutOfMemoryError)"
+[[ " ${c10[*]} " == *" -DGLAKE_TORCH_NATIVE=1 "* ]] && note+=", with the native allocator"
 echo "built $out ($("$cxx" --version | head -1))$note"
