@@ -447,6 +447,7 @@ class native_allocator final : public cca::CUDAAllocator {
   void attachAllocatorTraceTracker(cca::AllocatorTraceTracker tracker) override {
     std::lock_guard guard(mutex_);
     trackers_.push_back(std::move(tracker));
+    has_trackers_.store(true);
   }
 
   cca::SnapshotInfo snapshot(c10::MempoolId_t mempool_id, bool include_traces) override;
@@ -504,7 +505,7 @@ class native_allocator final : public cca::CUDAAllocator {
     return recorder != nullptr ? recorder() : nullptr;
   }
 
-  bool tracing() const { return history_on_.load(std::memory_order_relaxed) || !trackers_.empty(); }
+  bool tracing() const { return history_on_.load(std::memory_order_relaxed) || has_trackers_.load(); }
 
   // A trace entry, kept in the device's ring (while the history records) and returned for the
   // trackers. Under mutex_.
@@ -567,6 +568,7 @@ class native_allocator final : public cca::CUDAAllocator {
   std::atomic<cca::CreateContextFn> recorder_{nullptr};
   std::atomic<c10::CachingDeviceAllocator::RecordContext> when_{c10::CachingDeviceAllocator::RecordContext::NEVER};
   std::atomic<bool> history_on_{false};
+  std::atomic<bool> has_trackers_{false};
   std::size_t max_entries_ = 1;
   std::set<TraceEntry::Action> skip_;
   std::atomic<bool> initialized_{false};

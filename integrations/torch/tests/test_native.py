@@ -44,8 +44,9 @@ def expected_stat_keys():
     return keys
 
 
-class NativeChecks(unittest.TestCase):
-    """Run in the child, after glake_torch.enable() installed the native allocator."""
+class NativeChecks:
+    """Run in the child, after glake_torch.enable() installed the native allocator (a
+    unittest.TestCase there only, so that discovery in the parent does not collect it)."""
 
     def setUp(self):
         import torch
@@ -144,19 +145,20 @@ class NativeChecks(unittest.TestCase):
         opt_e = torch.optim.SGD(eager.parameters(), lr=0.05)
         opt_c = torch.optim.SGD(compiled_model.parameters(), lr=0.05)
 
-        def step(model, opt, x, target):
-            loss = torch.nn.functional.cross_entropy(model(x), target)
-            loss.backward()
+        def step(forward, opt, x, target):
+            loss = torch.nn.functional.cross_entropy(forward(x), target)
+            loss.backward()  # the backward graph is a CUDA graph of the tree as well
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return loss.detach()
+            return loss.detach().clone()
 
-        compiled_step = torch.compile(step, mode="reduce-overhead")
-        for i in range(6):
+        # CUDA graph trees: forward and backward recorded once warm, then replayed.
+        forward = torch.compile(compiled_model, mode="reduce-overhead")
+        for i in range(8):
             x = torch.randn(64, 256, device="cuda")
             target = torch.randint(0, 10, (64,), device="cuda")
             loss_e = step(eager, opt_e, x, target)
-            loss_c = compiled_step(compiled_model, opt_c, x, target).clone()
+            loss_c = step(forward, opt_c, x, target)
             torch.testing.assert_close(loss_c, loss_e, rtol=1e-4, atol=1e-4, msg=f"training loss of step {i}")
         for pe, pc in zip(eager.parameters(), compiled_model.parameters()):
             torch.testing.assert_close(pc, pe, rtol=1e-4, atol=1e-4)
@@ -168,6 +170,10 @@ class NativeChecks(unittest.TestCase):
         with torch.no_grad():
             for _ in range(4):
                 x = torch.randn(32, 256, device="cuda")
+                torch.testing.assert_close(infer(x).clone(), eager(x), rtol=1e-4, atol=1e-4)
+            # A second shape records another graph into the same tree after replays.
+            for _ in range(3):
+                x = torch.randn(16, 256, device="cuda")
                 torch.testing.assert_close(infer(x).clone(), eager(x), rtol=1e-4, atol=1e-4)
 
     def test_mem_pool(self):
@@ -211,15 +217,19 @@ class NativeChecks(unittest.TestCase):
         torch = self.torch
         side = torch.cuda.Stream()
         x = torch.ones(16 * MiB // 4, device="cuda")
-        before = torch.cuda.memory_allocated()
+        side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             torch.cuda._sleep(10_000_000)
             y = x * 3
+        before = torch.cuda.memory_allocated()
         x.record_stream(side)
         del x
         self.assertEqual(torch.cuda.memory_allocated(), before - 16 * MiB)
+        z = torch.zeros(16 * MiB // 4, device="cuda")  # must not reuse x's memory before side is done
         torch.cuda.synchronize()
         self.assertEqual(float(y[0]), 3.0)
+        self.assertEqual(float(y.sum()), 3.0 * y.numel())
+        del y, z
 
     def test_empty_cache_returns_memory(self):
         torch = self.torch
@@ -264,7 +274,8 @@ def child(library):
         print(f"test_native: {glake_torch.library_path(library)} was built without the native allocator; skipped")
         return SKIP
     glake_torch.enable(library=library)
-    suite = unittest.defaultTestLoader.loadTestsFromTestCase(NativeChecks)
+    checks = type("NativeChecks", (NativeChecks, unittest.TestCase), {})
+    suite = unittest.defaultTestLoader.loadTestsFromTestCase(checks)
     result = unittest.TextTestRunner(verbosity=2).run(suite)
     return 0 if result.wasSuccessful() else 1
 
