@@ -22,6 +22,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <unordered_map>
@@ -71,7 +72,20 @@ struct allocation {
   int device = 0;
   cudaStream_t stream = nullptr;
   context_ptr context;
+  std::optional<core::pool_id> pool;  // the private pool that served it
 };
+
+// The private pool whose filter took the calling thread's last request (set by the filters
+// beginAllocateToPool wraps: glake calls them on the requesting thread).
+thread_local std::optional<core::pool_id> routed_to;
+
+std::function<bool(cudaStream_t)> noting_filter(core::pool_id id, std::function<bool(cudaStream_t)> filter) {
+  return [id, filter = std::move(filter)](cudaStream_t s) {
+    const bool taken = filter && filter(s);
+    if (taken) routed_to = id;
+    return taken;
+  };
+}
 
 // Live allocations of one private pool (or of none: {0, 0}), collected from glake's state: the
 // blocks handed out and the live stitched ranges (their pieces are claimed blocks, skipped).
@@ -142,6 +156,7 @@ class native_allocator final : public cca::CUDAAllocator {
     const auto when = when_.load(std::memory_order_relaxed);
     context_ptr context = when != c10::CachingDeviceAllocator::RecordContext::NEVER ? gather() : nullptr;
     void* p = nullptr;
+    routed_to.reset();
     try {
       p = core::allocate(size, device, stream);
     } catch (const std::bad_alloc& e) {
@@ -158,7 +173,7 @@ class native_allocator final : public cca::CUDAAllocator {
       increase(d.stats.allocated_bytes, pool, size);
       increase(d.stats.active_bytes, pool, size);
       increase(d.stats.requested_bytes, pool, size);
-      live_[p] = allocation{size, device, stream, context};
+      live_[p] = allocation{size, device, stream, context, routed_to};
       if (tracing()) {
         traced.push_back(trace(d, TraceEntry::ALLOC, device, reinterpret_cast<std::uintptr_t>(p), size, stream,
                                when >= c10::CachingDeviceAllocator::RecordContext::ALLOC ? context : nullptr));
@@ -193,6 +208,7 @@ class native_allocator final : public cca::CUDAAllocator {
       }
     }
     tell_trackers(traced);
+    if (a.pool && hold(ptr, a)) return;
     glake_free(ptr, a.size, a.device, a.stream);
   }
 
@@ -299,21 +315,31 @@ class native_allocator final : public cca::CUDAAllocator {
   // ------------------------------------------------------------------ private pools
   void beginAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t id,
                            std::function<bool(cudaStream_t)> filter) override {
-    TORCH_CHECK(core::begin_allocate_to_pool(device, id, std::move(filter)), "glake: device ",
+    release_held(device, id, false);  // what no checkpoint needs any more: the new requests may use it
+    TORCH_CHECK(core::begin_allocate_to_pool(device, id, noting_filter(id, std::move(filter))), "glake: device ",
                 static_cast<int>(device), " could not begin allocating to pool (", id.first, ", ", id.second,
                 "): see the line glake wrote to stderr");
     std::lock_guard guard(mutex_);
     ++uses_[{device, id}];
+    ++routing_[{device, id}];
   }
   void endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t id) override {
     glake_end_allocate_to_pool(device, id);
+    std::lock_guard guard(mutex_);
+    const auto it = routing_.find({device, id});
+    if (it != routing_.end() && --it->second == 0) routing_.erase(it);
   }
   void releasePool(c10::DeviceIndex device, c10::MempoolId_t id) override {
+    bool unused = false;
     {
       std::lock_guard guard(mutex_);
       const auto it = uses_.find({device, id});
-      if (it != uses_.end() && --it->second == 0) uses_.erase(it);
+      if (it != uses_.end() && --it->second == 0) {
+        uses_.erase(it);
+        unused = true;
+      }
     }
+    if (unused) release_held(device, id, true);
     glake_release_pool(device, id);
   }
   int getPoolUseCount(c10::DeviceIndex device, c10::MempoolId_t id) override {
@@ -342,16 +368,21 @@ class native_allocator final : public cca::CUDAAllocator {
                                 const std::unordered_set<void*>& expected) override {
     live_collector c(id);
     core::visit_device_state(device, c);
+    drop_held(c.live);
     return c.live == expected;
   }
 
   std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex device, c10::MempoolId_t id) override {
     live_collector c(id);
     core::visit_device_state(device, c);
+    drop_held(c.live);
     auto state = std::make_shared<pool_checkpoint>();
     state->device = device;
     state->pool = id;
     std::lock_guard guard(mutex_);
+    auto& kept = checkpoints_[{device, id}];
+    std::erase_if(kept, [](const auto& w) { return w.expired(); });
+    kept.push_back(state);
     for (void* p : c.live) {
       const auto it = live_.find(p);
       if (it != live_.end()) state->live.push_back({p, it->second});
@@ -371,6 +402,7 @@ class native_allocator final : public cca::CUDAAllocator {
                 static_cast<int>(device));
     live_collector c(state->pool);
     core::visit_device_state(device, c);
+    drop_held(c.live);
     cca::CheckpointDelta delta;
     std::unordered_set<void*> wanted;
     for (const auto& e : state->live) wanted.insert(e.ptr);
@@ -382,14 +414,15 @@ class native_allocator final : public cca::CUDAAllocator {
     const c10::Device where(c10::DeviceType::CUDA, device);
     std::vector<const pool_checkpoint::entry*> missing;
     for (const auto& e : state->live) {
-      if (c.live.contains(e.ptr)) {
+      if (c.live.contains(e.ptr) || revive(e.ptr, e.a)) {
         delta.dataptrs_allocd.emplace_back(e.ptr, e.ptr, &delete_native, where);
       } else {
         missing.push_back(&e);
       }
     }
     if (missing.empty()) return delta;
-    TORCH_CHECK(core::begin_allocate_to_pool(device, state->pool, [](cudaStream_t) { return true; }),
+    TORCH_CHECK(core::begin_allocate_to_pool(device, state->pool,
+                                             noting_filter(state->pool, [](cudaStream_t) { return true; })),
                 "glake: cannot restore a checkpoint of pool (", state->pool.first, ", ", state->pool.second, ")");
     std::string refused;
     for (const auto* e : missing) {
@@ -500,6 +533,72 @@ class native_allocator final : public cca::CUDAAllocator {
     }
   }
 
+  // Graph trees restore a pool to a checkpoint (setCheckpointPoolState), which needs the
+  // checkpoint's allocations at their addresses again; glake cannot place an allocation at a
+  // chosen address, so an allocation of a pool that a living checkpoint lists, freed while no
+  // request goes to that pool (an output the program dropped), is held instead: still allocated
+  // in glake, free for PyTorch's statistics, revived by a restore. Held allocations no living
+  // checkpoint lists go back when requests go to the pool again, all of them once it has no use.
+  bool hold(void* ptr, const allocation& a) {
+    std::lock_guard guard(mutex_);
+    const std::pair<int, c10::MempoolId_t> key{a.device, *a.pool};
+    if (routing_.contains(key) || !listed(key, ptr)) return false;
+    held_[ptr] = a;
+    return true;
+  }
+  // Under mutex_: whether a living checkpoint of the pool lists `ptr`.
+  bool listed(const std::pair<int, c10::MempoolId_t>& key, void* ptr) {
+    const auto it = checkpoints_.find(key);
+    if (it == checkpoints_.end()) return false;
+    for (const auto& w : it->second) {
+      if (const auto c = w.lock()) {
+        for (const auto& e : c->live) {
+          if (e.ptr == ptr) return true;
+        }
+      }
+    }
+    return false;
+  }
+  bool revive(void* ptr, const allocation& wanted) {
+    std::lock_guard guard(mutex_);
+    const auto it = held_.find(ptr);
+    if (it == held_.end() || it->second.size != wanted.size) return false;
+    allocation a = std::move(it->second);
+    held_.erase(it);
+    auto& d = devices_[static_cast<std::size_t>(a.device)];
+    const std::size_t pool = pool_index(a.size);
+    increase(d.stats.allocation, pool, 1);
+    increase(d.stats.active, pool, 1);
+    increase(d.stats.allocated_bytes, pool, a.size);
+    increase(d.stats.active_bytes, pool, a.size);
+    increase(d.stats.requested_bytes, pool, a.size);
+    a.context = wanted.context;
+    live_[ptr] = std::move(a);
+    return true;
+  }
+  void drop_held(std::unordered_set<void*>& live) {
+    std::lock_guard guard(mutex_);
+    for (const auto& [ptr, a] : held_) live.erase(ptr);
+  }
+  // Frees the pool's held allocations that no living checkpoint lists (all of them: `all`).
+  void release_held(int device, c10::MempoolId_t id, bool all) {
+    std::vector<std::pair<void*, allocation>> going;
+    {
+      std::lock_guard guard(mutex_);
+      const std::pair<int, c10::MempoolId_t> key{device, id};
+      for (auto it = held_.begin(); it != held_.end();) {
+        if (it->second.device == device && it->second.pool == id && (all || !listed(key, it->first))) {
+          going.emplace_back(it->first, std::move(it->second));
+          it = held_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      if (all) checkpoints_.erase(key);
+    }
+    for (const auto& [ptr, a] : going) glake_free(ptr, a.size, a.device, a.stream);
+  }
+
   context_ptr gather() const {
     const cca::CreateContextFn recorder = recorder_.load();
     return recorder != nullptr ? recorder() : nullptr;
@@ -563,6 +662,9 @@ class native_allocator final : public cca::CUDAAllocator {
   std::array<device_state, max_devices> devices_{};
   std::unordered_map<void*, allocation> live_;
   std::map<std::pair<int, c10::MempoolId_t>, int> uses_;
+  std::map<std::pair<int, c10::MempoolId_t>, int> routing_;  // begun and not yet ended
+  std::map<std::pair<int, c10::MempoolId_t>, std::vector<std::weak_ptr<pool_checkpoint>>> checkpoints_;
+  std::unordered_map<void*, allocation> held_;  // see hold()
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
   std::vector<cca::AllocatorTraceTracker> trackers_;
   std::atomic<cca::CreateContextFn> recorder_{nullptr};
@@ -585,8 +687,8 @@ void delete_native(void* ptr) { installed->free(ptr); }
 class snapshot_builder final : public core::state_sink {
  public:
   snapshot_builder(int device, c10::MempoolId_t only, const std::unordered_map<void*, allocation>& live,
-                   std::vector<c10::CachingDeviceAllocator::SegmentInfo>& out)
-      : device_(device), only_(only), live_(live), out_(out) {}
+                   const std::unordered_set<void*>& held, std::vector<c10::CachingDeviceAllocator::SegmentInfo>& out)
+      : device_(device), only_(only), live_(live), held_(held), out_(out) {}
   void pool(core::pool_id id) override {
     pool_ = id;
     take_ = only_ == c10::MempoolId_t{0, 0} || only_ == id;
@@ -610,10 +712,11 @@ class snapshot_builder final : public core::state_sink {
   void block(const block_view& b) override {
     if (current_ == nullptr || b.address < cursor_ || b.address + b.size > end_) return;
     if (b.address > cursor_) add(b.address - cursor_, 0, false, false, nullptr);  // a gap glake did not show
-    const bool allocated = b.state == block_state::allocated;
-    const bool active = b.state != block_state::free;
-    const void* owner = reinterpret_cast<void*>(b.stitched_into != 0 ? b.stitched_into : b.address);
-    const auto it = live_.find(const_cast<void*>(owner));
+    void* owner = reinterpret_cast<void*>(b.stitched_into != 0 ? b.stitched_into : b.address);
+    const bool is_held = held_.contains(owner);
+    const bool allocated = b.state == block_state::allocated && !is_held;
+    const bool active = b.state != block_state::free && !is_held;
+    const auto it = live_.find(owner);
     const context_ptr context = active && it != live_.end() ? it->second.context : nullptr;
     const std::size_t requested = !active ? 0 : (b.requested != 0 && b.stitched_into == 0 ? b.requested : b.size);
     add(b.size, requested, allocated, active, context);
@@ -645,6 +748,7 @@ class snapshot_builder final : public core::state_sink {
   int device_;
   c10::MempoolId_t only_;
   const std::unordered_map<void*, allocation>& live_;
+  const std::unordered_set<void*>& held_;  // free for PyTorch (native_allocator::hold)
   std::vector<c10::CachingDeviceAllocator::SegmentInfo>& out_;
   core::pool_id pool_{};
   bool take_ = true;
@@ -655,13 +759,15 @@ class snapshot_builder final : public core::state_sink {
 cca::SnapshotInfo native_allocator::snapshot(c10::MempoolId_t mempool_id, bool include_traces) {
   cca::SnapshotInfo info;
   std::unordered_map<void*, allocation> live;
+  std::unordered_set<void*> held;
   {
     std::lock_guard guard(mutex_);
     live = live_;
+    for (const auto& [ptr, a] : held_) held.insert(ptr);
   }
   int last_device = -1;
   for (int d = 0; d < max_devices; ++d) {
-    snapshot_builder b(d, mempool_id, live, info.segments);
+    snapshot_builder b(d, mempool_id, live, held, info.segments);
     if (!core::visit_device_state(d, b)) continue;
     b.close();
     last_device = d;

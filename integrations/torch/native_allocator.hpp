@@ -26,9 +26,9 @@
 // | createOrIncrefPool, getPoolUseCount    | each                                               |
 // | checkPoolLiveAllocations               | exact, from the pool's state                       |
 // | getCheckpointState / setCheckpoint...  | live allocations of the pool; restoring frees the  |
-// |                                        | extra ones and re-allocates missing ones at their  |
-// |                                        | old addresses when the pool gives them (else a     |
-// |                                        | clear error)                                       |
+// |                                        | extra ones and revives missing ones: held (see     |
+// |                                        | native_allocator::hold) or allocated again at      |
+// |                                        | their old addresses (else a clear error)           |
 // | shareIpcHandle / getIpcDevPtr          | refused with a message naming the alternative      |
 //
 // Thread safety: every hook may be called from any thread; one mutex guards the bookkeeping of

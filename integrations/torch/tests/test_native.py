@@ -233,6 +233,7 @@ class NativeChecks:
 
     def test_empty_cache_returns_memory(self):
         torch = self.torch
+        torch.cuda.empty_cache()  # so that x needs memory of its own
         x = torch.empty(512 * MiB, dtype=torch.uint8, device="cuda")
         del x
         torch.cuda.synchronize()
