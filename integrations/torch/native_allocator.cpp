@@ -469,8 +469,11 @@ class native_allocator final : public cca::CUDAAllocator {
       for (auto& d : devices_) d.trace.clear();
     }
     history_on_.store(enabled);
-    // glake's own history gives the segment entries and when frees completed.
-    (void)glake_record_history(enabled ? 1 : 0, max_entries_);
+    // glake's own history gives the segment entries and when frees completed. It is a ring
+    // allocated up front: PyTorch's default (every entry, max_entries = sys.maxsize) keeps the
+    // newest 100,000 per device there, as glake_torch.record_memory_history does.
+    constexpr std::size_t glake_ring_cap = 100'000;
+    (void)glake_record_history(enabled ? 1 : 0, std::min(max_entries_, glake_ring_cap));
   }
 
   void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
