@@ -241,11 +241,20 @@ class native_allocator final : public cca::CUDAAllocator {
   std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex) override { return {}; }
   void enable(bool value) override { enabled_ = value; }
   bool isEnabled() const override { return enabled_; }
-  // The largest request the cache can serve without new memory: glake stitches its free blocks,
-  // so all of its cached bytes.
+  // The largest request that can be served (cuDNN sizes its workspaces by it): as PyTorch's, the
+  // device's free memory when asked with 0, or more if the cache holds more; glake stitches its
+  // free blocks, so the cache can serve all of its cached bytes at once.
   void cacheInfo(c10::DeviceIndex device, std::size_t* largestBlock) override {
+    if (*largestBlock == 0) {
+      const c10::cuda::CUDAGuard guard(device);
+      std::size_t free_bytes = 0;
+      std::size_t total = 0;
+      C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
+      *largestBlock = free_bytes;
+    }
     const statistics st = core::device_statistics(device);
-    *largestBlock = st.reserved_bytes > st.allocated_bytes ? st.reserved_bytes - st.allocated_bytes : 0;
+    const std::size_t cached = st.reserved_bytes > st.allocated_bytes ? st.reserved_bytes - st.allocated_bytes : 0;
+    *largestBlock = std::max(*largestBlock, cached);
   }
   void* getBaseAllocation(void* ptr, std::size_t* size) override {
     std::lock_guard guard(mutex_);
