@@ -556,6 +556,11 @@ class native_allocator final : public cca::CUDAAllocator {
     const std::pair<int, c10::MempoolId_t> key{a.device, *a.pool};
     if (routing_.contains(key) || !listed(key, ptr)) return false;
     held_[ptr] = a;
+    // Free for PyTorch: the history says so (glake's never will).
+    if (tracing()) {
+      (void)trace(devices_[static_cast<std::size_t>(a.device)], TraceEntry::FREE_COMPLETED, a.device,
+                  reinterpret_cast<std::uintptr_t>(ptr), a.size, a.stream, nullptr);
+    }
     return true;
   }
   // Under mutex_: whether a living checkpoint of the pool lists `ptr`.
@@ -585,6 +590,9 @@ class native_allocator final : public cca::CUDAAllocator {
     increase(d.stats.active_bytes, pool, a.size);
     increase(d.stats.requested_bytes, pool, a.size);
     a.context = wanted.context;
+    if (tracing()) {
+      (void)trace(d, TraceEntry::ALLOC, a.device, reinterpret_cast<std::uintptr_t>(ptr), a.size, a.stream, a.context);
+    }
     live_[ptr] = std::move(a);
     return true;
   }
