@@ -568,6 +568,52 @@ TEST_CASE("pluggable_allocator: a pool is shared by captures into it, and releas
   CHECK(plugin.errors() == 2);
 }
 
+// A stitching allocator that remembers whether it was last told to retain its memory.
+struct retain_noting : sim_stitching {
+  using sim_stitching::sim_stitching;
+  void retain_memory(bool retain) {
+    retaining = retain;
+    sim_stitching::retain_memory(retain);
+  }
+  bool retaining = false;
+};
+static_assert(pluggable_allocatable<retain_noting> && memory_retaining_allocator<retain_noting>);
+
+TEST_CASE("pluggable_allocator: a pool released with a live block retains its memory again once begun again") {
+  // PyTorch's graph trees warm up in a pool (begin, end, release: no use left, outputs live),
+  // then capture into it: the capture's frees must keep their memory.
+  sim_devices sim;
+  std::vector<retain_noting*> made;
+  pluggable_allocator<retain_noting> plugin(
+      [&](int id) {
+        auto& device = sim.devices[id];
+        if (device == nullptr) device = std::make_unique<sim_device>(16 * GiB);
+        auto a = std::make_unique<retain_noting>(sim_provider{*device}, sim_reserver{*device}, sim.settings);
+        made.push_back(a.get());
+        return a;
+      },
+      options_for<pluggable_allocator<retain_noting>>(nullptr));
+  void* general = plugin.allocate(MiB, 0, default_stream);
+  REQUIRE(made.size() == 1);
+  REQUIRE(plugin.begin_allocate_to_pool(0, graph_pool, only(capture_stream)));
+  REQUIRE(made.size() == 2);
+  CHECK(made[1]->retaining);
+  void* output = plugin.allocate(8 * MiB, 0, capture_stream);
+  plugin.end_allocate_to_pool(0, graph_pool);
+  plugin.release_pool(0, graph_pool);
+  CHECK(plugin.pool_count(0) == 1);  // the live output keeps it
+  CHECK(!made[1]->retaining);
+  REQUIRE(plugin.begin_allocate_to_pool(0, graph_pool, only(capture_stream)));
+  CHECK(made.size() == 2);  // the same pool
+  CHECK(made[1]->retaining);
+  plugin.end_allocate_to_pool(0, graph_pool);
+  plugin.release_pool(0, graph_pool);
+  plugin.deallocate(output, 8 * MiB, 0, capture_stream);
+  CHECK(plugin.pool_count(0) == 0);
+  plugin.deallocate(general, MiB, 0, default_stream);
+  CHECK(plugin.errors() == 0);
+}
+
 TEST_CASE("pluggable_allocator: a pool out of memory has the general cache released and tries again") {
   sim_devices sim;  // 16 GiB per device, shared by the general allocator and the pool
   pool_plugin plugin(sim.factory(), options_for<pool_plugin>(nullptr));

@@ -53,7 +53,10 @@ fi
 # GLAKE_TORCH_DIR and GLAKE_TORCH_CXX11_ABI name torch's package directory and ABI instead of asking
 # python3 (integrations/torch/setup.py finds them past pip's build isolation). The rpath looks
 # beside the plug-in first: a wheel installed next to torch in site-packages finds its libc10.
+# With torch, the native allocator (native_allocator.cpp: glake as torch's own CUDA allocator) is
+# built in as well, against libtorch_cuda and libc10_cuda; GLAKE_TORCH_NATIVE=0 leaves it out.
 c10=()
+native=()
 if [[ ${GLAKE_TORCH_C10:-1} != 0 ]]; then
   torch_dir=${GLAKE_TORCH_DIR:-}
   abi=${GLAKE_TORCH_CXX11_ABI:-}
@@ -62,8 +65,12 @@ if [[ ${GLAKE_TORCH_C10:-1} != 0 ]]; then
     abi=$("$python" -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))")
   fi
   if [[ -n $torch_dir ]]; then
-    c10=(-DGLAKE_TORCH_WITH_C10=1 -D_GLIBCXX_USE_CXX11_ABI="${abi:-1}" -isystem "$torch_dir/include"
-         -L"$torch_dir/lib" -lc10 '-Wl,-rpath,$ORIGIN/../torch/lib' -Wl,-rpath,"$torch_dir/lib")
+    c10=(-DGLAKE_TORCH_WITH_C10=1 -D_GLIBCXX_USE_CXX11_ABI="${abi:-1}" -isystem "$torch_dir/include")
+    if [[ ${GLAKE_TORCH_NATIVE:-1} != 0 ]]; then
+      native=(-DGLAKE_TORCH_NATIVE=1 integrations/torch/native_allocator.cpp -L"$torch_dir/lib" -ltorch_cuda -lc10_cuda
+              -L"$cuda/lib64" -L"$cuda/lib" -lcudart)
+    fi
+    c10+=("${native[@]}" -L"$torch_dir/lib" -lc10 '-Wl,-rpath,$ORIGIN/../torch/lib' -Wl,-rpath,"$torch_dir/lib")
   fi
 fi
 # The sources: integrations/torch/sources.txt, the one list (CMake reads it too).
@@ -81,4 +88,5 @@ mkdir -p "$(dirname "$out")"
   -Wl,--exclude-libs,ALL -Wl,-Bsymbolic -o "$out"
 note=""
 ((${#c10[@]})) && note=", against torch (out of memory is torch.cuda.OutOfMemoryError)"
+[[ " ${c10[*]} " == *" -DGLAKE_TORCH_NATIVE=1 "* ]] && note+=", with the native allocator"
 echo "built $out ($("$cxx" --version | head -1))$note"

@@ -34,6 +34,7 @@
 #include "glake/policies/stitching.hpp"
 #include "glake/movers/virtual_buffer.hpp"
 #include "movable.hpp"
+#include "plugin_core.hpp"
 #include "scheduled.hpp"
 #include "settings.hpp"
 #include "shared_weights.hpp"
@@ -1152,3 +1153,63 @@ extern "C" GLAKE_TORCH_API int glake_copy_from_file(void* dst, int fd, uint64_t 
   });
 }
 #endif
+
+// ------------------------------------------------------------------ plugin_core.hpp
+namespace glake::torch_plugin::core {
+
+void* allocate(std::size_t bytes, int device, CUstream_st* stream) {
+  const timed_call timed;
+  if (in_movable_scope(bytes)) return movable_allocate(bytes, device, stream_ref{stream});
+  return allocate_relieving(bytes, device, stream_ref{stream});
+}
+
+namespace {
+// plugin_type::visit_state's visitor, forwarding to a state_sink.
+struct sink_visitor {
+  state_sink& sink;
+  void allocator(plugin_type::pool_id pool) { sink.pool(pool_id{pool.first, pool.second}); }
+  void segment(const segment_view& s) { sink.segment(s); }
+  void block(const block_view& b) { sink.block(b); }
+  void stitched(const stitched_view& r) { sink.stitched(r); }
+  void piece(const stitched_piece_view& p) { sink.piece(p); }
+};
+}  // namespace
+
+bool visit_device_state(int device, state_sink& sink) {
+  sink_visitor v{sink};
+  return plugin().visit_state(device, v);
+}
+
+statistics device_statistics(int device) {
+  std::array<std::uint64_t, pluggable_stat_names.size()> v{};
+  plugin().stats(device, v.data(), v.size());
+  statistics st;
+  std::size_t i = 0;
+  for (std::size_t* field : {&st.active_bytes, &st.peak_active_bytes, &st.allocated_bytes, &st.peak_allocated_bytes,
+                             &st.reserved_bytes, &st.peak_reserved_bytes, &st.cached_stitch_bytes, &st.offloaded_bytes}) {
+    *field = static_cast<std::size_t>(v[i++]);
+  }
+  for (std::uint64_t* field : {&st.allocations, &st.deallocations, &st.failed_allocations, &st.splits, &st.merges,
+                               &st.segments_created, &st.segments_released, &st.stitches, &st.stitch_cache_hits,
+                               &st.stitch_repairs, &st.stitch_grows, &st.stitch_evictions, &st.cross_stream_bytes,
+                               &st.device_waits, &st.events_recorded, &st.event_queries, &st.event_ns}) {
+    *field = v[i++];
+  }
+  st.spare_bytes = static_cast<std::size_t>(v[i++]);
+  st.recycled_handles = v[i++];
+  for (std::uint64_t& calls : st.driver_calls.counts) calls = v[i++];
+  for (std::uint64_t& ns : st.driver_time.ns) ns = v[i++];
+  return st;
+}
+
+std::vector<history_entry> device_history(int device) { return plugin().history(device); }
+
+bool begin_allocate_to_pool(int device, pool_id pool, std::function<bool(CUstream_st*)> filter) {
+  return plugin().begin_allocate_to_pool(
+      device, plugin_type::pool_id{pool.first, pool.second},
+      [filter = std::move(filter)](stream_ref s) { return filter && filter(s.as<CUstream_st>()); });
+}
+
+std::size_t device_total_bytes(int device) { return ::device_total_bytes(device); }
+
+}  // namespace glake::torch_plugin::core

@@ -765,6 +765,10 @@ class pluggable_allocator {
         p = s.pool_list.emplace_back(std::move(made)).get();
         s.pools.store(s.pool_list.size(), std::memory_order_release);
         s.had_pools.store(true, std::memory_order_release);
+      } else if (p->uses == 0) {
+        // Released with live blocks, it stopped retaining its memory (release_unused); a new
+        // capture into it needs every address kept again.
+        p->allocator->retain_memory(true);
       }
       s.capture_list.reserve(s.capture_list.size() + 1);
       ++p->uses;

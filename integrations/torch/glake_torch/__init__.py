@@ -56,6 +56,8 @@ __all__ = [
     "DriverNotFoundError",
     "enable",
     "enabled",
+    "backend",
+    "native_available",
     "load",
     "library_path",
     "settings",
@@ -108,6 +110,7 @@ _lib = None
 _lib_path = None
 _names = None
 _allocator = None  # the torch allocator object, kept alive for the life of the process
+_backend = None  # "native" or "pluggable" once enabled
 _hooks = {}
 
 
@@ -156,7 +159,14 @@ def load(library=None):
             raise RuntimeError(f"glake_torch: already loaded from {_lib_path}, cannot switch to {library}")
         return _lib
     path = library_path(library)
+    try:  # a library with the native allocator links torch's libraries: torch loads them first
+        import torch  # noqa: F401
+    except Exception:  # no torch (the simulated library needs none), or a broken one
+        pass
     lib = _open_library(path)
+    if hasattr(lib, "glake_native_install"):  # built against torch's headers
+        lib.glake_native_install.restype = ctypes.c_int
+        lib.glake_native_install.argtypes = [ctypes.c_char_p, ctypes.c_ulong]
     lib.glake_malloc.restype = ctypes.c_void_p
     lib.glake_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     lib.glake_free.restype = None
@@ -267,22 +277,40 @@ def enabled():
     return _allocator is not None
 
 
+def backend():
+    """How enable() made glake PyTorch's CUDA allocator: "native" (glake is torch's own
+    CUDAAllocator and answers every hook: memory_stats, memory_summary, snapshots with stacks,
+    CUDA graph trees, MemPool), "pluggable" (through CUDAPluggableAllocator, which forwards only
+    allocation, frees and a few hooks), or None before enable()."""
+    return _backend
+
+
+def native_available(library=None):
+    """True when the plug-in was built with the native allocator (torch's headers were found at
+    build time)."""
+    return hasattr(load(library), "glake_native_install")
+
+
 def hooks():
     """How PyTorch's hooks were installed: {'empty_cache': ..., 'record_stream': ...}."""
     return dict(_hooks)
 
 
-def enable(conf=None, library=None, trace=None):
+def enable(conf=None, library=None, trace=None, pluggable=None):
     """Makes glake PyTorch's CUDA allocator. Call it before anything touches CUDA (before the first
     tensor on the GPU, torch.cuda.set_device, init_process_group with NCCL, ...).
 
-    conf:    GLAKE_ALLOC_CONF to use ("key:value,..."); None keeps the environment's.
-    library: path of libglake_torch.so; None searches (see library_path).
-    trace:   GLAKE_TRACE pattern; None keeps the environment's.
+    conf:      GLAKE_ALLOC_CONF to use ("key:value,..."); None keeps the environment's.
+    library:   path of libglake_torch.so; None searches (see library_path).
+    trace:     GLAKE_TRACE pattern; None keeps the environment's.
+    pluggable: True installs through CUDAPluggableAllocator even where the native allocator was
+               built; None follows GLAKE_TORCH_BACKEND ("pluggable" or "native", the default).
 
+    The native allocator is installed where the library was built with it (torch's headers found
+    at build time), else the pluggable one, with a warning once (backend() says which).
     Raises ValueError for invalid settings and RuntimeError when CUDA is already initialised, both
     before anything is switched. Calling it again once enabled does nothing."""
-    global _allocator
+    global _allocator, _backend
     if _allocator is not None:
         return
     if conf is not None:
@@ -301,6 +329,34 @@ def enable(conf=None, library=None, trace=None):
             "can only switch allocators before its own was used. Call enable() first thing in the "
             "process."
         )
+    if pluggable is None:
+        choice = os.environ.get("GLAKE_TORCH_BACKEND", "native").strip().lower()
+        if choice not in ("native", "pluggable"):
+            raise ValueError(f"GLAKE_TORCH_BACKEND={choice!r}: expected 'native' or 'pluggable'")
+        pluggable = choice == "pluggable"
+    if not pluggable and hasattr(lib, "glake_native_install"):
+        message = ctypes.create_string_buffer(1024)
+        if lib.glake_native_install(message, len(message)) != 0:
+            raise RuntimeError(
+                f"glake_torch.enable(): PyTorch refused to switch to glake ({message.value.decode()}); its own "
+                "CUDA allocator was already used. Call enable() first thing in the process."
+            )
+        _allocator = "native"
+        _backend = "native"
+        _hooks.clear()
+        _hooks["all"] = "native allocator (torch's CUDAAllocator)"
+        return
+    if not pluggable:
+        import warnings
+
+        warnings.warn(
+            f"glake_torch: {_lib_path} was built without torch's headers, so glake is installed through "
+            "CUDAPluggableAllocator: torch.cuda.memory_stats/memory_summary, snapshots with stacks and "
+            "torch.compile(mode='reduce-overhead') need the native allocator. Rebuild the plug-in where torch "
+            "is installed (pip install <glake>/integrations/torch, or bench/torch/build_plugin.sh).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     allocator = torch.cuda.memory.CUDAPluggableAllocator(_lib_path, ALLOC_FN, FREE_FN)
     installed = _install_hooks(torch, allocator, lib)
     try:
@@ -311,6 +367,7 @@ def enable(conf=None, library=None, trace=None):
             "allocator was already used. Call enable() first thing in the process."
         ) from error
     _allocator = allocator
+    _backend = "pluggable"
     _hooks.clear()
     _hooks.update(installed)
 
@@ -550,7 +607,19 @@ def use_in_torch_cuda():
     snapshots: torch.cuda.memory._record_memory_history, _snapshot, _dump_snapshot and
     torch.cuda.memory_snapshot. One call, after enable(); code calling those functions then works
     unchanged. PyTorch's functions are replaced in torch.cuda and torch.cuda.memory (they look
-    memory_stats up there at each call); returns the names replaced."""
+    memory_stats up there at each call); returns the names replaced.
+
+    Unnecessary with the native allocator (backend() == "native"), where torch.cuda's own
+    functions answer from glake: it then warns, replaces nothing and returns []."""
+    if _backend == "native":
+        import warnings
+
+        warnings.warn(
+            "glake_torch.use_in_torch_cuda() is unnecessary with the native allocator: torch.cuda's own "
+            "statistics and snapshots answer from glake; nothing was replaced",
+            stacklevel=2,
+        )
+        return []
     import torch
 
     def torch_memory_stats(device=None):

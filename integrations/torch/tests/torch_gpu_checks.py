@@ -25,7 +25,7 @@ PRELUDE = textwrap.dedent(
     import json, sys
     sys.path.insert(0, {package!r})
     import glake_torch
-    glake_torch.enable(library={library!r})
+    glake_torch.enable(library={library!r}, pluggable=True)  # the pluggable door (test_native.py: the native one)
     import torch
     """
 )

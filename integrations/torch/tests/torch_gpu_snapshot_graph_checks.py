@@ -27,7 +27,7 @@ PRELUDE = textwrap.dedent(
     import json, os, pickle, subprocess, sys, tempfile
     sys.path.insert(0, {package!r})
     import glake_torch
-    glake_torch.enable(library={library!r})
+    glake_torch.enable(library={library!r}, pluggable=True)  # the pluggable door (test_native.py: the native one)
     import torch
     glake_torch.use_in_torch_cuda()
 
