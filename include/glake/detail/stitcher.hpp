@@ -122,6 +122,9 @@ class stitcher {
   void* stitch(std::size_t size, std::size_t requested, stream_ref stream, bool may_grow) {
     candidates_.clear();
     candidate_sizes_.clear();
+    // Without growth a plan covers `size` with free blocks' whole handles: when all free bytes
+    // together fall short, no walk over the free blocks can find one.
+    if (!may_grow && pool_->arena().free_bytes() < size) return nullptr;
     pool_->arena().for_each_free_largest_first(stream, [&](block_type& b) {
       if (const whole_run c = pool_->whole_handles_of(b); c.size > 0) candidates_.push_back(c);
       return candidates_.size() < max_candidates_;
