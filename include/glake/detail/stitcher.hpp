@@ -125,7 +125,10 @@ class stitcher {
     // Without growth a plan covers `size` with free blocks' whole handles: when all free bytes
     // together fall short, no walk over the free blocks can find one.
     if (!may_grow && pool_->arena().free_bytes() < size) return nullptr;
+    const std::size_t chunk = pool_->chunk();
     pool_->arena().for_each_free_largest_first(stream, [&](block_type& b) {
+      // Handles are whole chunks: from here on, blocks are tails in handles partly in use.
+      if (b.size < chunk) return false;
       if (const whole_run c = pool_->whole_handles_of(b); c.size > 0) candidates_.push_back(c);
       return candidates_.size() < max_candidates_;
     });
