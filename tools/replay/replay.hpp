@@ -1,6 +1,8 @@
 // Replaying a trace through one configuration, and what comes out of it.
 #pragma once
 
+#include <time.h>
+
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -43,6 +45,9 @@ struct replay_result {
   /// after it): equal digests mean the allocator made the same placement decisions throughout.
   std::uint64_t placement_digest = 0;
   double modeled_driver_us = 0;
+  /// The thread's CPU time per a/f event inside the allocator (the replay's own bookkeeping
+  /// included, its free-memory probe at each new peak excluded): unlike wall time, it does not
+  /// grow when other processes share the host's cores.
   double host_ns_per_operation = 0;
   std::size_t recorded_peak_reserved = 0;  ///< PyTorch's own, from the trace (0 if none)
   std::optional<free_breakdown> free_at_peak;  ///< where free memory sat at peak reserved
@@ -58,6 +63,17 @@ class replay_error : public std::runtime_error {
 };
 
 namespace detail {
+
+/// This thread's CPU time in nanoseconds (CLOCK_THREAD_CPUTIME_ID), or wall time where the
+/// system has no per-thread clock.
+inline std::int64_t thread_cpu_ns() {
+  timespec ts{};
+  if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) == 0) {
+    return static_cast<std::int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+  }
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 inline std::string describe(const trace_event& e) {
   switch (e.what) {
@@ -126,7 +142,8 @@ inline replay_result detail::replay_events(const trace& t, const configuration& 
       digest *= 1099511628211ull;
     }
   };
-  const auto start = std::chrono::steady_clock::now();
+  const std::int64_t start = thread_cpu_ns();
+  std::int64_t probing = 0;  // CPU time spent in free_memory() probes, not the allocator's
   for (i = 0; i < t.events.size(); ++i) {
     const trace_event& e = t.events[i];
     if (e.what == trace_event::kind::alloc) {
@@ -157,7 +174,9 @@ inline replay_result detail::replay_events(const trace& t, const configuration& 
     }
     if (now > peak_seen) {  // a new high-water mark: note where the free memory is
       peak_seen = now;
+      const std::int64_t probe_start = thread_cpu_ns();
       r.free_at_peak = allocator->free_memory();
+      probing += thread_cpu_ns() - probe_start;
     }
     reserved = now;
     if (series) {
@@ -166,10 +185,8 @@ inline replay_result detail::replay_events(const trace& t, const configuration& 
     }
     if (progress && i % step == 0) progress(static_cast<double>(i) / static_cast<double>(t.events.size()));
   }
-  const auto elapsed = std::chrono::steady_clock::now() - start;
-  r.host_ns_per_operation =
-      r.events == 0 ? 0.0 : static_cast<double>(std::chrono::duration_cast<std::chrono::nanoseconds>(elapsed).count()) /
-                                static_cast<double>(r.events);
+  const std::int64_t elapsed = std::max<std::int64_t>(0, thread_cpu_ns() - start - probing);
+  r.host_ns_per_operation = r.events == 0 ? 0.0 : static_cast<double>(elapsed) / static_cast<double>(r.events);
   allocator->verify();
   const statistics s = allocator->stats();
   r.peak_reserved_bytes = s.peak_reserved_bytes;

@@ -277,6 +277,27 @@ TEST_CASE("replay: glake holds at least 98% of its reserved memory live, and les
   }
 }
 
+TEST_CASE("replay: traces glake's plug-in recorded on an H200 replay with glake to the run's own peak") {
+  // traces/README.md: 14 steps of bench/torch/finetune.py on one H200 (2026-11-28); the S/U lines
+  // are glake's reserved memory in that run.
+  struct recorded_run {
+    const char* trace;
+    std::size_t allocations;
+    double peak_active_gb;
+  };
+  for (const recorded_run& m : {recorded_run{"t5-base-N", 57074, 13.245}, recorded_run{"mistral1.2b-N", 28415, 21.302}}) {
+    CAPTURE(m.trace);
+    const trace t = read_trace(bundled(m.trace));
+    CHECK(t.allocations == m.allocations);
+    CHECK(static_cast<double>(t.peak_active_bytes) / 1e9 == doctest::Approx(m.peak_active_gb).epsilon(0.001));
+    const replay_result r = replay_trace(t, named("glake"), std::size_t{1} << 40, false);
+    CHECK(r.failed_allocations == 0);
+    CHECK(static_cast<double>(r.peak_reserved_bytes) ==
+          doctest::Approx(static_cast<double>(t.recorded_peak_reserved)).epsilon(0.002));
+    CHECK(r.host_ns_per_operation > 0);
+  }
+}
+
 TEST_CASE("replay: a capacity that cannot hold the trace shows as failed allocations, and the series are recorded") {
   const trace t = read_trace(bundled("opt1.3b-LR"));
   for (const char* name : {"pytorch-default", "pytorch-expandable", "gmlake", "glake"}) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -92,7 +93,8 @@ class stitcher {
     const auto consider = [&](range& s) {
       const std::size_t grow = s.size < size ? size - s.size : 0;
       if (grow >= best_cost || s.reserved < size) return;
-      const std::size_t missing = missing_bytes(s, std::min(size, s.size));
+      // Past best_cost - grow the range cannot win: missing_bytes stops counting there.
+      const std::size_t missing = missing_bytes(s, std::min(size, s.size), best_cost - grow);
       if (missing + grow < best_cost && (missing == 0 || queue_drained(s))) {
         best = &s;
         best_cost = missing + grow;
@@ -120,7 +122,13 @@ class stitcher {
   void* stitch(std::size_t size, std::size_t requested, stream_ref stream, bool may_grow) {
     candidates_.clear();
     candidate_sizes_.clear();
+    // Without growth a plan covers `size` with free blocks' whole handles: when all free bytes
+    // together fall short, no walk over the free blocks can find one.
+    if (!may_grow && pool_->arena().free_bytes() < size) return nullptr;
+    const std::size_t chunk = pool_->chunk();
     pool_->arena().for_each_free_largest_first(stream, [&](block_type& b) {
+      // Handles are whole chunks: from here on, blocks are tails in handles partly in use.
+      if (b.size < chunk) return false;
       if (const whole_run c = pool_->whole_handles_of(b); c.size > 0) candidates_.push_back(c);
       return candidates_.size() < max_candidates_;
     });
@@ -284,12 +292,15 @@ class stitcher {
   }
 
   // Bytes of the handles mapping the first `size` bytes of `s` whose part there is not free on
-  // its stream: each such handle counts whole, as it is replaced whole.
-  std::size_t missing_bytes(const range& s, std::size_t size) noexcept {
+  // its stream: each such handle counts whole, as it is replaced whole. Counting stops once
+  // `cap` is reached (the result is then >= cap): the caller only compares it below a budget,
+  // and a long range mostly in use would otherwise be walked block by block on every probe.
+  std::size_t missing_bytes(const range& s, std::size_t size,
+                            std::size_t cap = std::numeric_limits<std::size_t>::max()) noexcept {
     auto& arena = pool_->arena();
     std::size_t need = size, missing = 0;
     for (const piece& pc : s.pieces) {
-      if (need == 0) break;
+      if (need == 0 || missing >= cap) break;
       const std::size_t take = std::min(pc.size, need);
       const auto& m = pc.home->mapping;
       const std::uintptr_t begin = m.base + pc.offset, end = begin + take;
@@ -302,7 +313,7 @@ class stitcher {
             counted = i;
           }
         }
-        if (b->end() >= end) break;
+        if (b->end() >= end || missing >= cap) break;
       }
       need -= take;
     }
