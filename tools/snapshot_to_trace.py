@@ -432,21 +432,34 @@ class _Coverage:
         self._blocks = []  # lists of disjoint (start, end), in order across blocks
         self._firsts = []  # each block's first start, for bisect
 
-    def add(self, lo, hi):
-        """Covers [lo, hi); returns the bytes not covered before."""
+    def add(self, lo, hi, edges=None):
+        """Covers [lo, hi); returns the bytes not covered before. `edges` (a set), when given,
+        gets the ends of each stretch that was not covered."""
         taken = self._take(lo, hi, True)
-        covered = sum(max(min(e, hi) - max(s, lo), 0) for s, e in taken)
+        covered, at = 0, lo
+        for s, e in taken:
+            covered += max(min(e, hi) - max(s, lo), 0)
+            if edges is not None and s > at:
+                edges.update((at, min(s, hi)))
+            at = max(at, e)
+        if edges is not None and at < hi:
+            edges.update((at, hi))
         self._put(min(lo, taken[0][0]) if taken else lo, max(hi, taken[-1][1]) if taken else hi)
         return (hi - lo) - covered
 
-    def remove(self, lo, hi):
-        """Uncovers [lo, hi); returns the bytes that were covered."""
+    def remove(self, lo, hi, edges=None):
+        """Uncovers [lo, hi); returns the bytes that were covered. `edges` (a set), when given,
+        gets the points where a covered stretch was cut."""
         taken = self._take(lo, hi, False)
         removed = sum(min(e, hi) - max(s, lo) for s, e in taken)
         if taken and taken[0][0] < lo:
             self._put(taken[0][0], lo)
+            if edges is not None:
+                edges.add(lo)
         if taken and taken[-1][1] > hi:
             self._put(hi, taken[-1][1])
+            if edges is not None:
+                edges.add(hi)
         return removed
 
     def items(self):
@@ -636,19 +649,18 @@ def _initial_state(snapshot, device, trace):
     blocks still active at the end that no recorded alloc accounts for.
     """
     segments = _device_segments(snapshot, device)
+    # Merged, with the points where segments met (a segment's ends, the ends of what an undone
+    # unmap added, where an undone map cut a segment) to cut them apart again at the end.
     ranges, points = _Coverage(), set()
     for address, total, _, _ in segments:
-        ranges.add(address, address + total)
-        points.update((address, address + total))
+        ranges.add(address, address + total, points)
     for action, addr, size, _ in reversed(trace):
         if addr is None or size is None:
             continue
         if action in MAP_ACTIONS:
-            ranges.remove(addr, addr + size)
-            points.update((addr, addr + size))
+            ranges.remove(addr, addr + size, points)
         elif action in UNMAP_ACTIONS:
-            ranges.add(addr, addr + size)
-            points.update((addr, addr + size))
+            ranges.add(addr, addr + size, points)
 
     live, allocs, seen = set(), [], set()
     for action, addr, size, stream in trace:
