@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <new>
 #include <optional>
@@ -977,4 +978,84 @@ TEST_CASE("coordinated_budget: a process holding the whole budget moves memory o
   CHECK(coordinator.stats().timeouts == 0);
   CHECK(shared.count->over.load() == 0);
   CHECK(shared.count->peak.load() == static_cast<std::int64_t>(budget_bytes));
+}
+
+TEST_CASE("budget_coordinator: waiting acquires are bounded per connection, one beyond is refused naming the limit") {
+  temp_dir dir;
+  budget_coordinator_options options;
+  options.max_waiters = 4;
+  budget_coordinator coordinator(dir.socket(), 100, options);
+  raw_client a(dir.socket()), b(dir.socket());
+  const workload_id wa = a.join(coordinator, "holder");
+  const workload_id wb = b.join(coordinator, "flooder");
+  a.send(bw::acquire_request{wa, 100, 1000, true});
+  REQUIRE(a.receive(coordinator));
+  a.send(bw::set_pinned_request{wa, 100});
+  for (int i = 0; i < 4; ++i) b.send(bw::acquire_request{wb, 10, 10000, true});
+  CHECK(b.quiet(coordinator));
+  CHECK(coordinator.waiting() == 4);
+  const auto refused = b.send(bw::acquire_request{wb, 10, 10000, true});
+  auto answer = b.receive(coordinator, 500);  // at once
+  const auto error = expect_error(answer);
+  CHECK(answer->first.request == refused);
+  CHECK(error.code == bw::errc::too_many);
+  CHECK(error.text.find("4 acquires") != std::string::npos);
+  CHECK(coordinator.waiting() == 4);
+  // Another connection may still wait.
+  raw_client c(dir.socket());
+  const workload_id wc = c.join(coordinator, "patient");
+  c.send(bw::acquire_request{wc, 10, 10000, true});
+  CHECK(c.quiet(coordinator));
+  CHECK(coordinator.waiting() == 5);
+}
+
+TEST_CASE("budget_coordinator: with acquires waiting and nothing to reclaim it sleeps until a deadline") {
+  temp_dir dir;
+  budget_coordinator coordinator(dir.socket(), 100);
+  raw_client a(dir.socket()), b(dir.socket());
+  const workload_id wa = a.join(coordinator, "holder");
+  const workload_id wb = b.join(coordinator, "waiter");
+  a.send(bw::acquire_request{wa, 100, 1000, true});
+  REQUIRE(a.receive(coordinator));
+  a.send(bw::set_pinned_request{wa, 100});  // nothing a holds may move
+  b.send(bw::acquire_request{wb, 10, 1000, true});
+  CHECK(b.quiet(coordinator));
+  REQUIRE(coordinator.waiting() == 1);
+  // The waiter's deadline is about a second away and nobody can give anything: each poll should
+  // sleep until its timeout, not wake every few milliseconds.
+  int polls = 0;
+  const auto end = std::chrono::steady_clock::now() + 300ms;
+  while (std::chrono::steady_clock::now() < end) {
+    coordinator.poll_once(150);
+    ++polls;
+  }
+  CHECK(polls <= 4);
+  CHECK(coordinator.waiting() == 1);
+}
+
+TEST_CASE("budget_ledger: workload names are printed without control characters") {
+  budget_ledger ledger(100);
+  const workload_id w = ledger.join("evil\nworkload 9 forged held 0\x1b[2J\x7f\\", 0);
+  const std::string name = ledger.usage(w).name;
+  CHECK(name.find('\n') == std::string::npos);
+  CHECK(name.find('\x1b') == std::string::npos);
+  CHECK(name.find('\x7f') == std::string::npos);
+  CHECK(name == "evil\\nworkload 9 forged held 0\\x1b[2J\\x7f\\\\");
+  CHECK(ledger.describe().find('\n') == std::string::npos);
+  try {
+    ledger.join("big\r\nmodel", 1000);
+    FAIL("a need above the budget was accepted");
+  } catch (const out_of_memory& e) {
+    CHECK(std::string(e.what()).find("'big\\r\\nmodel'") != std::string::npos);
+  }
+}
+
+TEST_CASE("budget_ledger: a fraction of the largest device is its exact share, never an undefined conversion") {
+  constexpr std::size_t most = std::numeric_limits<std::size_t>::max();
+  CHECK(budget_ledger::fraction_of(most, 1.0).budget() == most);
+  CHECK(budget_ledger::fraction_of(80 * (std::size_t{1} << 30), 0.5).budget() == 40 * (std::size_t{1} << 30));
+  const std::size_t near_all = budget_ledger::fraction_of(most, 0.9999999999999999).budget();
+  CHECK(near_all > most / 2);
+  CHECK(near_all < most);
+  CHECK_THROWS_AS(budget_ledger::fraction_of(1, 0.25), usage_error);  // rounds to 0 bytes
 }

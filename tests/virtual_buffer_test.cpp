@@ -3,6 +3,7 @@
 // driver call, and random rounds of moves with the data checked.
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -468,4 +469,26 @@ TEST_CASE("virtual_buffer: random rounds of commit, offload, prefetch and decomm
   }
   CHECK(buffer->stats().offloads > 100);
   CHECK(buffer->stats().prefetches > 10);
+}
+
+TEST_CASE("virtual_buffer: a capacity beyond the address space or the piece table is refused at once") {
+  host_fixture f;
+  const auto start = std::chrono::steady_clock::now();
+  constexpr std::size_t huge = std::size_t{1} << 56;
+  // Few pieces, but no address space holds it: out_of_memory from the reservation.
+  CHECK_THROWS_AS(f.make(huge, std::size_t{1} << 40), out_of_memory);
+  // 2^26 pieces: refused before anything is reserved or sized, naming the capacity.
+  try {
+    f.make(huge, G);
+    FAIL("a buffer of 2^26 pieces was made");
+  } catch (const usage_error& e) {
+    CHECK(std::string(e.what()).find(std::to_string(huge)) != std::string::npos);
+    CHECK(std::string(e.what()).find("pieces") != std::string::npos);
+  }
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(1));
+  CHECK(f.device_bytes() == 0);
+  // The largest table allowed is still made.
+  auto most = f.make(4 * G, G);
+  CHECK(most->piece_count() == 4);
+  CHECK(host_buffer::max_pieces >= std::size_t{1} << 20);
 }

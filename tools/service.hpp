@@ -1,11 +1,12 @@
 // What the socket services' programs (glake-dedup, glake-budget) share: stopping on SIGTERM or
-// SIGINT through a pipe the service's poll loop watches, the group named by --group, and how a
-// service's failures become exit statuses.
+// SIGINT through a pipe the service's poll loop watches, the group named by --group, the soft
+// descriptor limit raised to the hard one, and how a service's failures become exit statuses.
 #pragma once
 
 #include <fcntl.h>
 #include <grp.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -41,6 +42,20 @@ inline int stop_on_signals() {
   ::sigaction(SIGINT, &action, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
   return detail::stop_pipe[0];
+}
+
+/// Raises the soft limit on open descriptors to the hard one: each connection, and each object
+/// the dedup broker indexes, holds a descriptor, and the usual soft limit of 1024 is reached by
+/// about a thousand objects. Returns the soft limit now in force.
+inline rlim_t raise_descriptor_limit() noexcept {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return 0;
+  if (limit.rlim_cur < limit.rlim_max) {
+    rlimit raised = limit;
+    raised.rlim_cur = limit.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) limit = raised;
+  }
+  return limit.rlim_cur;
 }
 
 /// The id of the group `name`; empty after a line on stderr when there is none.

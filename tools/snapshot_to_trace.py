@@ -86,6 +86,8 @@ MAX_SIZE = 1 << 48         # the largest size or segment a trace may carry (glak
 MAX_ADDRESS = (1 << 64) - 1
 _MAX_TUPLE_DEPTH = 100     # hashing a deeper tuple recurses in C, unguarded, and can crash
 _MAX_CLASSES = 1000        # distinct classes stubbed in one load
+_MAX_STACK = 1 << 20       # items on the unpickler's stack at once: a snapshot's pickle holds at
+                           # most a batch of 1000 per open container; a flood of NONE opcodes more
 
 
 def _printable(text, limit=None):
@@ -276,6 +278,8 @@ def _scan(data):
 
             if e == "push":
                 stack.append(0)
+                if len(stack) > _MAX_STACK:
+                    fail(f"more than {_MAX_STACK} items on the stack")
             elif e == "memoize":
                 memo[len(memo)] = stack[-1]
             elif e == "get":
@@ -415,53 +419,111 @@ def _as_int(value):
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-class _Ranges:
-    """Disjoint half-open address ranges. Adjacent ranges stay separate so that segments
-    keep their identity; O(n) per update, and a snapshot has few segment events."""
+class _Coverage:
+    """The addresses covered by half-open ranges, merged where they overlap or touch, kept sorted in
+    blocks of at most 2 * _LOAD (start, end) pairs (a list of short lists, as sortedcontainers
+    keeps its lists). add and remove cost O(log n + _LOAD) plus the ranges they absorb, and each
+    range is absorbed once, so n events cost O(n log n) whatever their addresses (a flat list
+    costs O(n) a move, quadratic in a history of segment events)."""
+
+    _LOAD = 256
 
     def __init__(self):
-        self._starts, self._ends = [], []
+        self._blocks = []  # lists of disjoint (start, end), in order across blocks
+        self._firsts = []  # each block's first start, for bisect
 
-    def add(self, lo, hi):
-        """Covers [lo, hi); returns the bytes not covered before."""
-        gaps, at = [], lo
-        for s, e in self._overlapping(lo, hi):
-            if s > at:
-                gaps.append((at, s))
+    def add(self, lo, hi, edges=None):
+        """Covers [lo, hi); returns the bytes not covered before. `edges` (a set), when given,
+        gets the ends of each stretch that was not covered."""
+        taken = self._take(lo, hi, True)
+        covered, at = 0, lo
+        for s, e in taken:
+            covered += max(min(e, hi) - max(s, lo), 0)
+            if edges is not None and s > at:
+                edges.update((at, min(s, hi)))
             at = max(at, e)
-        if at < hi:
-            gaps.append((at, hi))
-        for s, e in gaps:
-            i = bisect.bisect_left(self._starts, s)
-            self._starts.insert(i, s)
-            self._ends.insert(i, e)
-        return sum(e - s for s, e in gaps)
+        if edges is not None and at < hi:
+            edges.update((at, hi))
+        self._put(min(lo, taken[0][0]) if taken else lo, max(hi, taken[-1][1]) if taken else hi)
+        return (hi - lo) - covered
 
-    def remove(self, lo, hi):
-        """Uncovers [lo, hi); returns the bytes that were covered."""
-        removed = 0
-        for s, e in self._overlapping(lo, hi):
-            i = bisect.bisect_left(self._starts, s)
-            del self._starts[i], self._ends[i]
-            removed += min(e, hi) - max(s, lo)
-            for ps, pe in ((s, lo), (hi, e)):
-                if ps < pe:
-                    j = bisect.bisect_left(self._starts, ps)
-                    self._starts.insert(j, ps)
-                    self._ends.insert(j, pe)
+    def remove(self, lo, hi, edges=None):
+        """Uncovers [lo, hi); returns the bytes that were covered. `edges` (a set), when given,
+        gets the points where a covered stretch was cut."""
+        taken = self._take(lo, hi, False)
+        removed = sum(min(e, hi) - max(s, lo) for s, e in taken)
+        if taken and taken[0][0] < lo:
+            self._put(taken[0][0], lo)
+            if edges is not None:
+                edges.add(lo)
+        if taken and taken[-1][1] > hi:
+            self._put(hi, taken[-1][1])
+            if edges is not None:
+                edges.add(hi)
         return removed
 
     def items(self):
-        return list(zip(self._starts, self._ends))
+        return [r for block in self._blocks for r in block]
 
-    def _overlapping(self, lo, hi):
-        i = max(bisect.bisect_right(self._starts, lo) - 1, 0)
-        out = []
-        while i < len(self._starts) and self._starts[i] < hi:
-            if self._ends[i] > lo:
-                out.append((self._starts[i], self._ends[i]))
+    def _take(self, lo, hi, touching):
+        """Removes and returns, in order, the ranges that meet [lo, hi) (or touch it)."""
+        blocks, firsts = self._blocks, self._firsts
+        if not blocks:
+            return []
+        b = max(bisect.bisect_right(firsts, lo) - 1, 0)
+        block = blocks[b]
+        i = max(bisect.bisect_right(block, (lo, MAX_ADDRESS + 1)) - 1, 0)
+        if i < len(block) and not (block[i][1] > lo or (touching and block[i][1] == lo)):
             i += 1
-        return out
+        taken = []
+        while b < len(blocks):
+            block = blocks[b]
+            j = i
+            while j < len(block) and (block[j][0] < hi or (touching and block[j][0] == hi)):
+                j += 1
+            ended = j < len(block)
+            if i < j:
+                taken.extend(block[i:j])
+                del block[i:j]
+            if block:
+                firsts[b] = block[0][0]
+                b += 1
+            else:
+                del blocks[b], firsts[b]
+            if ended:
+                break
+            i = 0
+        return taken
+
+    def _put(self, start, end):
+        blocks, firsts = self._blocks, self._firsts
+        if not blocks:
+            blocks.append([(start, end)])
+            firsts.append(start)
+            return
+        b = max(bisect.bisect_right(firsts, start) - 1, 0)
+        block = blocks[b]
+        bisect.insort(block, (start, end))
+        firsts[b] = block[0][0]
+        if len(block) > 2 * self._LOAD:
+            half = len(block) // 2
+            blocks.insert(b + 1, block[half:])
+            firsts.insert(b + 1, block[half][0])
+            del block[half:]
+
+
+def _split_at(ranges, points):
+    """`ranges` (sorted, disjoint) cut at each of the sorted `points` inside one: the segments a
+    merged coverage was made of, as far as the history's boundaries tell."""
+    pieces = []
+    for start, end in ranges:
+        i = bisect.bisect_right(points, start)
+        while i < len(points) and points[i] < end:
+            pieces.append((start, points[i]))
+            start = points[i]
+            i += 1
+        pieces.append((start, end))
+    return pieces
 
 
 @dataclass
@@ -580,23 +642,25 @@ def _device_segments(snapshot, device):
 
 
 def _initial_state(snapshot, device, trace):
-    """What was held before the first entry: (segment ranges, [(addr, bytes, stream)]).
+    """What was held before the first entry: ([(start, end)] of segments, [(addr, bytes, stream)]).
 
     Segments: the snapshot's segments (state at the end) with the history undone backwards.
     Allocations: frees of addresses never allocated in the history, in history order, then
     blocks still active at the end that no recorded alloc accounts for.
     """
     segments = _device_segments(snapshot, device)
-    ranges = _Ranges()
+    # Merged, with the points where segments met (a segment's ends, the ends of what an undone
+    # unmap added, where an undone map cut a segment) to cut them apart again at the end.
+    ranges, points = _Coverage(), set()
     for address, total, _, _ in segments:
-        ranges.add(address, address + total)
+        ranges.add(address, address + total, points)
     for action, addr, size, _ in reversed(trace):
         if addr is None or size is None:
             continue
         if action in MAP_ACTIONS:
-            ranges.remove(addr, addr + size)
+            ranges.remove(addr, addr + size, points)
         elif action in UNMAP_ACTIONS:
-            ranges.add(addr, addr + size)
+            ranges.add(addr, addr + size, points)
 
     live, allocs, seen = set(), [], set()
     for action, addr, size, stream in trace:
@@ -618,7 +682,7 @@ def _initial_state(snapshot, device, trace):
                     and addr not in live and addr not in seen):
                 seen.add(addr)
                 allocs.append((addr, round_size(requested) if requested else bsize, seg_stream))
-    return ranges, allocs
+    return _split_at(ranges.items(), sorted(points)), allocs
 
 
 def convert(snapshot, device=None, include_initial=False):
@@ -628,7 +692,7 @@ def convert(snapshot, device=None, include_initial=False):
     out = Conversion(device=device)
     lines = out.lines
     initial_ranges, initial_allocs = _initial_state(snapshot, device, trace)
-    segs = initial_ranges.items()
+    segs = initial_ranges
     out.pre_existing = (len(initial_allocs), sum(b for _, b, _ in initial_allocs),
                         len(segs), sum(e - s for s, e in segs))
 
@@ -657,7 +721,7 @@ def convert(snapshot, device=None, include_initial=False):
         out.frees += 1
         active -= id_size[ident]
 
-    ranges = _Ranges()
+    ranges = _Coverage()
     if include_initial:
         for lo, hi in segs:
             ranges.add(lo, hi)

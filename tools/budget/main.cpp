@@ -14,6 +14,7 @@
 #include <string_view>
 
 #include "glake/config.hpp"
+#include "glake/detail/printable.hpp"
 #include "glake/errors.hpp"
 #include "glake/scheduling/budget_coordinator.hpp"
 #include "glake/scheduling/coordinated_budget.hpp"
@@ -60,7 +61,7 @@ int print_stats(const std::string& path) {
   }
   std::printf("budget %" PRIu64 "\nused %" PRIu64 "\nworkloads %" PRIu32 "\n", s->budget, s->used, s->workloads);
   for (const auto& w : s->lines) {
-    std::printf("workload %" PRIu32 " %s held %zu pinned %zu predicted %zu\n", w.id, w.name.c_str(), w.held, w.pinned,
+    std::printf("workload %" PRIu32 " %s held %zu pinned %zu predicted %zu\n", w.id, glake::detail::printable(w.name).c_str(), w.held, w.pinned,
                 w.predicted);
   }
   return 0;
@@ -106,7 +107,10 @@ int main(int argc, char** argv) {
     if (stats) return print_stats(path);
     if (budget_text.empty()) fail_usage("--budget is required");
     std::optional<glake::budget_ledger> ledger;
-    if (budget_text.find('.') != std::string::npos) {
+    // A fraction is a plain decimal number with a point ("0.8"); "1.5T" is a size.
+    const bool fractional = budget_text.find('.') != std::string::npos &&
+                            budget_text.find_first_not_of("0123456789.") == std::string::npos;
+    if (fractional) {
       char* end = nullptr;
       const double fraction = std::strtod(budget_text.c_str(), &end);
       if (end == budget_text.c_str() || *end != '\0' || !(fraction > 0.0 && fraction <= 1.0)) {
@@ -123,6 +127,7 @@ int main(int argc, char** argv) {
       options.group = glake::tools::group_id("glake-budget", *group_name);
       if (!options.group) return 2;
     }
+    glake::tools::raise_descriptor_limit();
     const int stop = glake::tools::stop_on_signals();
     glake::budget_coordinator coordinator(path, std::move(*ledger), options);
     if (!quiet) {

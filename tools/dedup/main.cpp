@@ -55,9 +55,10 @@ int print_stats(const std::string& path) {
   glake::dedup_client_options options;
   options.report = [](std::string_view) {};
   glake::dedup_client<> client(path, options);
-  const auto s = client.broker_statistics();
+  std::string why;
+  const auto s = client.broker_statistics(why);
   if (!s) {
-    std::fprintf(stderr, "glake-dedup: no broker answers at %s\n", path.c_str());
+    std::fprintf(stderr, "glake-dedup: no broker answers at %s (%s)\n", path.c_str(), why.c_str());
     return 1;
   }
   // The query's own connection is one of the clients.
@@ -139,6 +140,7 @@ int main(int argc, char** argv) {
       options.group = glake::tools::group_id("glake-dedup", *group_name);
       if (!options.group) return 2;
     }
+    glake::tools::raise_descriptor_limit();
     const int stop = glake::tools::stop_on_signals();
     if (device) {
 #ifdef GLAKE_DEDUP_CUDA

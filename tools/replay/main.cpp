@@ -2,6 +2,7 @@
 // simulated backend and reports memory, failures, driver calls and modeled driver time.
 #include <unistd.h>
 
+#include <cerrno>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
@@ -36,6 +37,8 @@ constexpr const char* usage =
     "      --plot DIR          write DIR/<trace>.svg: reserved bytes per configuration over time\n"
     "      --training-seconds S  also print modeled driver time as a share of S seconds\n"
     "      --glake-conf TEXT   settings over glake's, as GLAKE_ALLOC_CONF (e.g. max_handle:64MiB)\n"
+    "      --max-trace-bytes SIZE  refuse a trace whose text (inflated) is longer (default 1GiB)\n"
+    "      --max-events N      refuse a trace of more events (default 33554432)\n"
     "      --quiet             no progress on stderr\n"
     "  -h, --help              this text\n";
 
@@ -48,6 +51,7 @@ struct options {
   std::string plot_dir;
   double training_seconds = 0;
   std::string glake_conf;
+  glake::replay::trace_limits limits;
 };
 
 /// Text from the command line or a trace, escaped for the terminal.
@@ -60,13 +64,13 @@ std::string shown(std::string_view text, std::size_t limit = std::string_view::n
   std::exit(2);
 }
 
-std::size_t parse_size(const std::string& text) {
+std::size_t parse_size(const std::string& text, const char* option = "--capacity") {
   // The config parser already knows sizes with suffixes; reuse it through a one-key string.
   config c;
   try {
     c.apply(("memory_limit:" + text).c_str());
   } catch (const std::exception&) {
-    fail_usage("--capacity: '" + text + "' is not a size (e.g. 80GiB)");
+    fail_usage(std::string(option) + ": '" + text + "' is not a size (e.g. 80GiB)");
   }
   return c.memory_limit;
 }
@@ -96,6 +100,17 @@ options parse(int argc, char** argv) {
       }
     } else if (a == "--capacity") {
       o.capacity = parse_size(value());
+    } else if (a == "--max-trace-bytes") {
+      o.limits.max_text_bytes = parse_size(value(), "--max-trace-bytes");
+    } else if (a == "--max-events") {
+      const std::string v = value();
+      char* end = nullptr;
+      errno = 0;
+      const unsigned long long n = std::strtoull(v.c_str(), &end, 10);
+      if (errno != 0 || end == v.c_str() || *end != '\0' || n == 0 || v[0] == '-') {
+        fail_usage("--max-events: '" + v + "' is not a positive number");
+      }
+      o.limits.max_events = static_cast<std::size_t>(n);
     } else if (a == "--json") {
       o.json = true;
     } else if (a == "--plot") {
@@ -184,7 +199,7 @@ void print_row(const replay_result& r, double training_seconds) {
 /// Reads one trace and replays it through every chosen configuration, printing as it goes.
 void replay_file(const std::string& path, const options& o, const std::vector<configuration>& chosen,
                  bool show_progress) {
-  const trace t = read_trace(path);
+  const trace t = read_trace(path, {}, o.limits);
   std::vector<plot_series> plots;
   for (const configuration& c : chosen) {
     const auto progress = [&](double fraction) {

@@ -147,9 +147,11 @@ inline replay_result detail::replay_events(const trace& t, const configuration& 
   for (i = 0; i < t.events.size(); ++i) {
     const trace_event& e = t.events[i];
     if (e.what == trace_event::kind::alloc) {
-      void* p = allocator->try_allocate(e.bytes, stream_ref{e.stream});
+      // A 0-byte request is PyTorch's too: it gets no memory and nothing fails.
+      void* p = e.bytes == 0 ? nullptr : allocator->try_allocate(e.bytes, stream_ref{e.stream});
       mix(reinterpret_cast<std::uintptr_t>(p));
-      if (p != nullptr) {
+      if (e.bytes == 0) {
+      } else if (p != nullptr) {
         live.emplace(e.id, p);
         active += e.bytes;
         r.peak_active_bytes = std::max(r.peak_active_bytes, active);

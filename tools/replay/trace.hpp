@@ -36,6 +36,13 @@ inline constexpr std::uint64_t max_trace_bytes = std::uint64_t{1} << 48;
 /// The longest line a trace may hold, comments included; event lines are under 64 bytes.
 inline constexpr std::size_t max_trace_line = 4096;
 
+/// What one trace may cost, so that a small compressed file cannot make the reader inflate or
+/// keep without end. The bundled traces hold at most 1.6 M events in 20 MB.
+struct trace_limits {
+  std::uint64_t max_text_bytes = std::uint64_t{1} << 30;  ///< the trace's text (inflated), 1 GiB
+  std::size_t max_events = std::size_t{1} << 25;          ///< 32 M events (768 MiB of them)
+};
+
 /// A whole trace, checked: every free names a live allocation, no id is allocated twice.
 struct trace {
   std::string name;
@@ -110,10 +117,11 @@ inline std::string default_name(std::string_view path) {
 /// Builds a trace one line at a time, checking each; every error names source:line.
 class trace_builder {
  public:
-  trace_builder(std::string source, std::string name) {
+  trace_builder(std::string source, std::string name, trace_limits limits = {}) : limits_(limits) {
     t_.source = std::move(source);
     t_.name = std::move(name);
   }
+  const trace_limits& limits() const noexcept { return limits_; }
 
   /// One line without its '\n' (a '\r' before it is dropped: CRLF files are accepted).
   void add_line(std::string_view line) {
@@ -198,6 +206,9 @@ class trace_builder {
   }
 
   void record(const trace_event& e) {
+    if (t_.events.size() >= limits_.max_events) {
+      fail("more than " + std::to_string(limits_.max_events) + " events, the limit (--max-events)");
+    }
     // Keep line_of exact: note where this event's line is not the one after the previous event's.
     if (line_ - t_.events.size() != line_offset_) {
       line_offset_ = line_ - t_.events.size();
@@ -238,6 +249,7 @@ class trace_builder {
     record({reserve ? trace_event::kind::segment_alloc : trace_event::kind::segment_free, 0, 0, bytes});
   }
 
+  trace_limits limits_;
   trace t_;
   std::unordered_map<std::uint64_t, std::uint64_t> live_;  // id -> bytes
   std::unordered_set<std::uint32_t> streams_;
@@ -253,6 +265,11 @@ class line_splitter {
   explicit line_splitter(trace_builder& builder) : builder_(builder) {}
 
   void feed(std::string_view chunk) {
+    if (chunk.size() > builder_.limits().max_text_bytes - std::min(fed_, builder_.limits().max_text_bytes)) {
+      builder_.fail_next("the trace is longer than " + std::to_string(builder_.limits().max_text_bytes) +
+                         " bytes (inflated), the limit (--max-trace-bytes)");
+    }
+    fed_ += chunk.size();
     for (;;) {
       const std::size_t newline = chunk.find('\n');
       const std::string_view part = chunk.substr(0, newline);
@@ -283,6 +300,7 @@ class line_splitter {
  private:
   trace_builder& builder_;
   std::string pending_;
+  std::uint64_t fed_ = 0;
 };
 
 }  // namespace detail
@@ -296,34 +314,20 @@ class line_splitter {
 /// throws nothing else, never aborts, and uses memory linear in text.size(); only std::bad_alloc
 /// can escape, when the host itself runs out of memory. `source` names the input in messages
 /// (escaped here); `name` defaults to the last path component of `source` without .gz/.trace/.txt.
-inline trace parse_trace(std::string_view text, std::string_view source = "<memory>", std::string name = {}) {
-  detail::trace_builder builder(detail::printable(source), name.empty() ? detail::default_name(source) : std::move(name));
+inline trace parse_trace(std::string_view text, std::string_view source = "<memory>", std::string name = {},
+                         trace_limits limits = {}) {
+  detail::trace_builder builder(detail::printable(source), name.empty() ? detail::default_name(source) : std::move(name),
+                                limits);
   detail::line_splitter lines(builder);
   lines.feed(text);
   lines.finish();
   return std::move(builder).finish();
 }
 
-/// Reads and checks a trace file. `name` defaults to the file name without directories and
-/// suffixes. zlib reads gzip and plain files alike. Throws trace_error naming the file and line on
-/// bad input (see parse_trace, plus a file that cannot be opened or read and a truncated or corrupt
-/// gzip stream), so nothing is ever replayed from a damaged file.
-inline trace read_trace(const std::string& path, std::string name = {}) {
-  const std::string source = detail::printable(path);
-  errno = 0;
-  gzFile file = gzopen(path.c_str(), "rb");
-  if (file == nullptr) {
-    throw trace_error(source + ": cannot open" + (errno != 0 ? std::string(": ") + std::strerror(errno) : std::string()));
-  }
-  struct closer {
-    gzFile f;
-    ~closer() { gzclose(f); }
-  } guard{file};
-  gzbuffer(file, 1 << 20);
-
-  detail::trace_builder builder(source, name.empty() ? detail::default_name(path) : std::move(name));
-  detail::line_splitter lines(builder);
-  std::vector<char> buffer(1 << 20);
+namespace detail {
+// The body of read_trace: every chunk of the file through `lines`, then the stream's status.
+inline void read_chunks(gzFile file, const std::string& path, trace_builder& builder, line_splitter& lines,
+                        std::vector<char>& buffer) {
   int read_errno = 0;
   for (;;) {
     errno = 0;
@@ -340,10 +344,39 @@ inline trace read_trace(const std::string& path, std::string name = {}) {
   if (error != Z_OK && error != Z_STREAM_END) {
     // zlib's message repeats the path; the reason follows it.
     if (message.size() > path.size() + 2 && message.substr(0, path.size()) == path) message.remove_prefix(path.size() + 2);
-    builder.fail_next("cannot read: " + detail::printable(message) + " (truncated or corrupt file?)");
+    builder.fail_next("cannot read: " + printable(message) + " (truncated or corrupt file?)");
   }
   lines.finish();
+}
+}  // namespace detail
+
+/// Reads and checks a trace file. `name` defaults to the file name without directories and
+/// suffixes. zlib reads gzip and plain files alike. Throws trace_error naming the file and line on
+/// bad input (see parse_trace, plus a file that cannot be opened or read and a truncated or corrupt
+/// gzip stream), so nothing is ever replayed from a damaged file.
+inline trace read_trace(const std::string& path, std::string name = {}, trace_limits limits = {}) {
+  const std::string source = detail::printable(path);
+  errno = 0;
+  gzFile file = gzopen(path.c_str(), "rb");
+  if (file == nullptr) {
+    throw trace_error(source + ": cannot open" + (errno != 0 ? std::string(": ") + std::strerror(errno) : std::string()));
+  }
+  struct closer {
+    gzFile f;
+    ~closer() { gzclose(f); }
+  } guard{file};
+  gzbuffer(file, 1 << 20);
+
+  detail::trace_builder builder(source, name.empty() ? detail::default_name(path) : std::move(name), limits);
+  detail::line_splitter lines(builder);
+  std::vector<char> buffer(1 << 20);
+  try {
+    detail::read_chunks(file, path, builder, lines, buffer);
+  } catch (const std::bad_alloc&) {
+    builder.fail_next("out of host memory reading the trace (lower --max-events or --max-trace-bytes)");
+  }
   return std::move(builder).finish();
 }
+
 
 }  // namespace glake::replay

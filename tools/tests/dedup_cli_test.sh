@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # glake-dedup from the command line: starts, answers --stats, refuses a second broker on the same
-# socket (status 0, says so), stops on SIGTERM and removes its socket.
+# socket (status 0, says so), stops on SIGTERM and removes its socket; --stats says why it got no
+# answer, the descriptor limit is raised, and a path that is not a socket is refused and kept.
 set -euo pipefail
 tool=$1
 dir=$(mktemp -d)
@@ -17,7 +18,23 @@ grep -q 'another glake dedup broker' "$dir/second.err"
 kill -TERM "$pid"
 wait "$pid"
 [[ ! -e $dir/b.sock ]] || { echo "socket left behind"; exit 1; }
-if "$tool" --socket "$dir/b.sock" --stats 2>/dev/null; then echo "stats without a broker"; exit 1; fi
+if "$tool" --socket "$dir/b.sock" --stats 2>"$dir/stats.err"; then echo "stats without a broker"; exit 1; fi
+grep -q "no broker answers at $dir/b.sock (connect: " "$dir/stats.err" || { echo "stats error: $(cat "$dir/stats.err")"; exit 1; }
+# The soft descriptor limit is raised to the hard one.
+(ulimit -Sn 64 && exec "$tool" --socket "$dir/l.sock" --quiet) &
+pid=$!
+for _ in $(seq 200); do [[ -S $dir/l.sock ]] && break; sleep 0.05; done
+read -r soft hard < <(awk '/^Max open files/ {print $4, $5}' "/proc/$pid/limits")
+[[ $soft == "$hard" ]] || { echo "descriptor limit $soft of $hard after ulimit -Sn 64"; exit 1; }
+kill -TERM "$pid"
+wait "$pid"
+# Nothing the broker did not make is replaced or removed; errors name the path.
+echo notes >"$dir/notes.txt"
+if "$tool" --socket "$dir/notes.txt" 2>"$dir/notes.err"; then echo "served on a regular file"; exit 1; fi
+grep -q "$dir/notes.txt" "$dir/notes.err" || { echo "error: $(cat "$dir/notes.err")"; exit 1; }
+[[ $(cat "$dir/notes.txt") == notes ]] || { echo "notes.txt changed"; exit 1; }
+if "$tool" --socket "$dir/missing/b.sock" 2>"$dir/missing.err"; then echo "served in a missing directory"; exit 1; fi
+grep -q "$dir/missing/" "$dir/missing.err" || { echo "error: $(cat "$dir/missing.err")"; exit 1; }
 "$tool" --bogus 2>/dev/null && exit 1
 for bad in "0" "12X" "-1G"; do
   if "$tool" --socket "$dir/q.sock" --max-client-bytes "$bad" 2>/dev/null; then echo "accepted --max-client-bytes $bad"; exit 1; fi

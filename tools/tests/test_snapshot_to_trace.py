@@ -373,6 +373,47 @@ class ConverterTest(unittest.TestCase):
                           "--max-input-bytes", str(MiB))
         self.assert_error(self.write(bomb[:len(bomb) // 2], "cut.pickle.gz"), "corrupt gzip data")
 
+    def test_a_flood_of_none_opcodes_is_refused_at_the_stack_limit(self):
+        data = b"\x80\x02" + b"N" * (4 * MiB) + b"."
+        start = time.process_time()
+        with self.assertRaisesRegex(s2t.SnapshotError, f"more than {s2t._MAX_STACK} items on the stack"):
+            s2t.load_snapshot_bytes(data)
+        self.assertLess(time.process_time() - start, 5)
+
+    def test_coverage_counts_bytes_as_a_set_of_addresses_does(self):
+        rng = random.Random(7)
+        cover, model = s2t._Coverage(), set()
+        for _ in range(6000):
+            lo = rng.randrange(4000)
+            hi = lo + rng.randrange(1, 6 if rng.random() < 0.95 else 400)
+            span = set(range(lo, hi))
+            if rng.random() < 0.6:
+                self.assertEqual(cover.add(lo, hi), len(span - model))
+                model |= span
+            else:
+                self.assertEqual(cover.remove(lo, hi), len(span & model))
+                model -= span
+        covered = [a for s, e in cover.items() for a in range(s, e)]
+        self.assertEqual(covered, sorted(model))
+        self.assertTrue(all(e < s2 for (_, e), (s2, _) in zip(cover.items(), cover.items()[1:])))
+
+    def test_segment_events_convert_in_n_log_n_whatever_their_addresses(self):
+        n = 50000
+        # Maps from the top down (each in front of the others), then maps over all of them again
+        # and again, then one unmap: quadratic with ranges kept apart in one flat list.
+        events = [ev("segment_map", (2 * (n - i)) << 21, 1 << 21) for i in range(n)]
+        whole = (2 * n + 2) << 21
+        events += [ev("segment_map", 1 << 21, whole)] * (n // 10)
+        events += [ev("segment_unmap", 1 << 21, whole)]
+        start = time.process_time()
+        conv = s2t.convert(snapshot(events), include_initial=True)
+        self.assertLess(time.process_time() - start, 15)
+        self.assertEqual(conv.maps, n + n // 10)
+        self.assertEqual(conv.unmaps, 1)
+        self.assertEqual(conv.lines[n], f"S,{whole}")
+        self.assertEqual(conv.lines[-1], f"U,{whole}")
+        self.assertEqual(conv.warnings["map over memory already mapped"], n // 10)
+
     def test_malformed_structures_end_in_one_line_naming_the_entry(self):
         cases = [
             (snapshot([ev("alloc", 0, 512), ev([1], 0, 512)]),

@@ -2,6 +2,7 @@
 // memory glake saves (deterministic numbers, so they are checked here; timings are not).
 #include <doctest/doctest.h>
 
+#include <unistd.h>
 #include <zlib.h>
 
 #include <cstdio>
@@ -346,5 +347,60 @@ TEST_CASE("replay: on FSDP's three streams glake moves free memory between strea
     CHECK(glake.utilization >= 0.98);
     CHECK(glake.peak_reserved_bytes < expandable.peak_reserved_bytes);
     CHECK(glake.peak_reserved_bytes <= t.recorded_peak_reserved);  // the GPU run, before cross-stream reuse
+  }
+}
+
+TEST_CASE("trace: the inflated bytes and the events are bounded, the error naming the file, the line and the limit") {
+  std::string text;
+  for (int i = 0; i < 100; ++i) text += "a," + std::to_string(i) + ",4096,0\n";
+  trace_limits few_events;
+  few_events.max_events = 10;
+  try {
+    (void)parse_trace(text, "many.trace", {}, few_events);
+    FAIL("a trace over the event limit was read");
+  } catch (const trace_error& e) {
+    CHECK(std::string(e.what()).find("many.trace:11: ") == 0);
+    CHECK(std::string(e.what()).find("more than 10 events") != std::string::npos);
+  }
+  trace_limits few_bytes;
+  few_bytes.max_text_bytes = 500;
+  try {
+    (void)parse_trace(text, "long.trace", {}, few_bytes);
+    FAIL("a trace over the byte limit was read");
+  } catch (const trace_error& e) {
+    CHECK(std::string(e.what()).find("long.trace:") == 0);
+    CHECK(std::string(e.what()).find("longer than 500 bytes") != std::string::npos);
+  }
+  // A small .gz that inflates far beyond the limit is refused without reading it all.
+  const std::string path = "/tmp/glake-trace-bomb-" + std::to_string(::getpid()) + ".trace.gz";
+  {
+    gzFile out = gzopen(path.c_str(), "wb9");
+    REQUIRE(out != nullptr);
+    std::string lines;
+    for (int i = 0; i < 1024; ++i) lines += std::string(63, '#') + "\n";
+    for (int i = 0; i < 64; ++i) gzwrite(out, lines.data(), static_cast<unsigned>(lines.size()));  // 4 MiB
+    gzclose(out);
+  }
+  trace_limits one_mib;
+  one_mib.max_text_bytes = 1 << 20;
+  try {
+    (void)read_trace(path, {}, one_mib);
+    FAIL("a trace over the byte limit was read");
+  } catch (const trace_error& e) {
+    CHECK(std::string(e.what()).find(path + ":") == 0);
+    CHECK(std::string(e.what()).find("longer than 1048576 bytes (inflated)") != std::string::npos);
+  }
+  std::remove(path.c_str());
+  // The defaults hold every bundled trace with room to spare.
+  CHECK(trace_limits{}.max_events >= 10 * read_trace(bundled("opt1.3b-LR")).events.size());
+}
+
+TEST_CASE("replay: a 0-byte allocation gets no memory and is not counted as failed") {
+  const trace t = parse_trace("a,1,0,0\na,2,4096,0\nf,1\nf,2\n", "zero.trace");
+  for (const char* name : {"pytorch-default", "glake"}) {
+    CAPTURE(name);
+    const replay_result r = replay_trace(t, named(name), std::size_t{1} << 40, false);
+    CHECK(r.failed_allocations == 0);
+    CHECK(r.peak_active_bytes == 4096);
   }
 }

@@ -121,12 +121,16 @@ class virtual_buffer {
   using device_provider_type = Device;
   using host_provider_type = Host;
   using reserver_type = Reserver;
+  /// The most pieces one buffer tracks (its table costs about 100 bytes a piece): 256 TiB in
+  /// pieces of 64 MiB. More is refused with usage_error before anything is reserved.
+  static constexpr std::size_t max_pieces = std::size_t{1} << 22;
 
   /// Reserves `capacity` bytes (rounded up to the granularity) in pieces of `piece` bytes
   /// (rounded up to the granularity; 0: 64 MiB), twice (the pieces' addresses and their shadows).
   /// Nothing is committed. Pieces of 64 MiB or more move at 87-96% of pinned cudaMemcpyAsync's
   /// bandwidth on an H200; small pieces cost a remap each (bench/results/offload.md). Throws out_of_memory when
-  /// the address space runs out, usage_error for a zero capacity.
+  /// the address space runs out (checked before the piece table is made), usage_error for a zero
+  /// capacity or more than max_pieces pieces.
   virtual_buffer(Device device, Host host, Reserver reserver, Copier copier, std::size_t capacity,
                  std::size_t piece = 64 * MiB)
       : device_(std::move(device)), host_(std::move(host)), reserver_(std::move(reserver)), copier_(std::move(copier)) {
@@ -140,7 +144,14 @@ class virtual_buffer {
     }
     size_ = round_up(capacity);
     piece_ = std::min(round_up(piece == 0 ? 64 * MiB : piece), size_);
-    pieces_.resize((size_ + piece_ - 1) / piece_);
+    const std::size_t count = size_ / piece_ + (size_ % piece_ != 0 ? 1 : 0);
+    if (count > max_pieces) {
+      throw usage_error(usage_error::kind::bad_argument,
+                        "glake::virtual_buffer: a capacity of " + std::to_string(capacity) + " bytes in pieces of " +
+                            std::to_string(piece_) + " bytes makes " + std::to_string(count) +
+                            " pieces, more than the " + std::to_string(max_pieces) + " one buffer tracks; use larger pieces");
+    }
+    // The address space first: a capacity it cannot hold is refused before any table is sized.
     base_ = reserver_.try_reserve(size_);
     if (base_ != nullptr) {
       try {
@@ -154,6 +165,15 @@ class virtual_buffer {
     if (base_ == nullptr || shadow_ == nullptr) {
       throw out_of_memory(size_, 0, 0, "glake::virtual_buffer: reserving 2 x " + format_bytes(size_) +
                                            " of address space failed (out of address space)");
+    }
+    try {
+      pieces_.resize(count);
+    } catch (const std::bad_alloc&) {
+      reserver_.free(shadow_, size_);
+      reserver_.free(base_, size_);
+      throw out_of_memory(count * sizeof(piece_state), 0, 0,
+                          "glake::virtual_buffer: no host memory for the table of " + std::to_string(count) +
+                              " pieces of a " + format_bytes(size_) + " buffer");
     }
   }
   virtual_buffer(const virtual_buffer&) = delete;

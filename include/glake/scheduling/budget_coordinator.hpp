@@ -45,6 +45,9 @@ struct budget_coordinator_options {
   /// The most connections, and the most workloads, at once; later ones are refused.
   std::size_t max_clients = 1024;
   std::size_t max_workloads = 4096;
+  /// The most acquires one connection may have waiting at once; one more is refused with
+  /// too_many naming the limit. With max_clients it bounds the queue (and the work per poll).
+  std::size_t max_waiters = 256;
   /// How long a connection that answered a reclaim with nothing is left alone before it is
   /// asked again (its memory may have become movable without a message saying so).
   std::chrono::milliseconds retry = std::chrono::milliseconds(5);
@@ -81,7 +84,10 @@ struct budget_coordinator_statistics {
 // appears the queue is served oldest first, each waiter that fits. A waiter whose deadline
 // passes gets out_of_memory naming the workload, the bytes, the budget and what each workload
 // holds. A no-wait acquire (a prefetch) is granted or refused with no_room at once, and makes
-// nobody move anything: times of next use are not comparable across processes.
+// nobody move anything: times of next use are not comparable across processes. One connection
+// may have at most options.max_waiters acquires waiting; one more is refused with too_many. While
+// acquires wait the coordinator wakes only for a deadline or to ask a connection again after
+// options.retry, never in a loop.
 //
 // A connection that closes (the process exited or was killed) leaves with all its workloads:
 // their share comes back and waiters are served. A need above the whole budget (join's pinned
@@ -126,7 +132,7 @@ class budget_coordinator {
   bool poll_once(int timeout_ms, int stop_fd = -1) {
     std::vector<pollfd> fds;
     fds.reserve(clients_.size() + 2);
-    fds.push_back({listener_.get(), POLLIN, 0});
+    fds.push_back({listener_.get(), listener_.poll_events(), 0});  // none while it backs off
     fds.push_back({stop_fd, POLLIN, 0});
     std::vector<int> order;
     order.reserve(clients_.size());
@@ -134,10 +140,11 @@ class budget_coordinator {
       fds.push_back({fd, POLLIN, 0});
       order.push_back(fd);
     }
-    const int wait = std::min<long long>(timeout_ms < 0 ? std::numeric_limits<int>::max() : timeout_ms, next_wakeup_ms());
+    long long wait = std::min<long long>(timeout_ms < 0 ? std::numeric_limits<int>::max() : timeout_ms, next_wakeup_ms());
+    if (const int backoff = listener_.backoff_ms(); backoff > 0) wait = std::min<long long>(wait, backoff);
     int ready;
     do {
-      ready = ::poll(fds.data(), fds.size(), wait == std::numeric_limits<int>::max() ? -1 : wait);
+      ready = ::poll(fds.data(), fds.size(), wait >= std::numeric_limits<int>::max() ? -1 : static_cast<int>(wait));
     } while (ready < 0 && errno == EINTR);
     if (ready < 0) detail::throw_errno("poll", errno);
     if (stop_fd >= 0 && fds[1].revents != 0) return false;
@@ -164,6 +171,7 @@ class budget_coordinator {
     std::uint32_t reclaim = 0;        // the reclaim request it has not answered; 0: none
     std::uint64_t reclaim_bytes = 0;  // ... and the bytes it asked for
     clock::time_point dry_until{};    // it gave nothing: not asked again before this
+    std::size_t waiting = 0;          // its acquires in the queue
   };
   struct waiter {
     int fd = -1;
@@ -174,11 +182,16 @@ class budget_coordinator {
     clock::time_point deadline{};
   };
 
+  // The next waiter's deadline, or the moment a connection that gave nothing may be asked
+  // again; nothing else changes without a message, so an idle coordinator sleeps till then.
   long long next_wakeup_ms() const {
     if (queue_.empty()) return std::numeric_limits<int>::max();
     const auto now = clock::now();
-    auto soonest = now + options_.retry;
+    auto soonest = clock::time_point::max();
     for (const waiter& w : queue_) soonest = std::min(soonest, w.deadline);
+    for (const auto& [fd, c] : clients_) {
+      if (c.dry_until > now) soonest = std::min(soonest, c.dry_until);
+    }
     const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(soonest - now).count();
     return std::max<long long>(ms + 1, 0);
   }
@@ -337,6 +350,12 @@ class budget_coordinator {
                          "asked for " + format_bytes(a.bytes) + ", " + format_bytes(ledger_.available()) +
                              " of the budget of " + format_bytes(ledger_.budget()) + " left");
     }
+    if (++c.waiting > options_.max_waiters) {
+      --c.waiting;
+      return reply_error(c, request, bw::errc::too_many,
+                         "this connection has " + std::to_string(options_.max_waiters) +
+                             " acquires waiting already, the most the coordinator queues for one");
+    }
     ++counters_.waits;
     queue_.push_back(waiter{c.fd.get(), request, a.workload, a.bytes, a.timeout_ms,
                             clock::now() + std::chrono::milliseconds(a.timeout_ms)});
@@ -360,6 +379,7 @@ class budget_coordinator {
       for (auto it = queue_.begin(); it != queue_.end();) {
         auto owner = clients_.find(it->fd);
         if (grant(it->workload, it->bytes)) {
+          --owner->second.waiting;
           if (!send(owner->second, bw::encode(bw::granted_reply{it->workload, it->bytes}, it->request))) {
             gone.push_back(it->fd);
           }
@@ -372,6 +392,7 @@ class budget_coordinator {
               " ms for " + std::to_string(it->bytes) + " bytes (" + format_bytes(it->bytes) + ") of the budget of " +
               format_bytes(ledger_.budget()) + "; " + format_bytes(ledger_.available()) +
               " are left and nothing more could be moved out: " + ledger_.describe();
+          --owner->second.waiting;
           if (!reply_error(owner->second, it->request, bw::errc::out_of_memory, text)) gone.push_back(it->fd);
           it = queue_.erase(it);
         } else {
@@ -443,6 +464,7 @@ class budget_coordinator {
     // Its waiting acquire (a thread of that process, waiting still) is told it left.
     for (auto it = queue_.begin(); it != queue_.end();) {
       if (it->workload == w) {
+        --c.waiting;
         reply_error(c, it->request, budget_wire::errc::unknown_workload, "the workload left while waiting");
         it = queue_.erase(it);
       } else {

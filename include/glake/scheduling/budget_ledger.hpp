@@ -4,12 +4,14 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <new>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "glake/detail/printable.hpp"
 #include "glake/errors.hpp"
 #include "glake/scheduling/concepts.hpp"
 
@@ -51,7 +53,8 @@ struct budget_reply {
 // grants bytes only while the sum held stays within the budget; it never waits and never moves
 // memory (shared_budget does both around it). A workload whose pinned need exceeds the whole
 // budget can never run: join and set_pinned refuse it with out_of_memory naming the workload and
-// the bytes. leave takes back everything the workload held, which is also what a coordinator
+// the bytes. A workload's name is kept as detail::printable makes it (control characters and
+// escapes written out), since it is printed in reports and other processes' errors. leave takes back everything the workload held, which is also what a coordinator
 // does for a workload whose connection dropped (a crashed process).
 //
 // Every operation is a typed member function that throws, or handle(request), which answers
@@ -73,7 +76,12 @@ class budget_ledger {
       throw usage_error(usage_error::kind::bad_argument,
                         "glake::budget_ledger: the fraction " + std::to_string(fraction) + " is not in (0, 1]");
     }
-    return budget_ledger(static_cast<std::size_t>(static_cast<double>(device_bytes) * fraction));
+    if (fraction == 1.0) return budget_ledger(device_bytes);
+    // Below 1 the product is below 2^64 (rounding of the device's size included), so the
+    // conversion is defined; the cap keeps it so where size_t is narrower.
+    const double bytes = static_cast<double>(device_bytes) * fraction;
+    const double most = static_cast<double>(std::numeric_limits<std::size_t>::max());
+    return budget_ledger(bytes >= most ? device_bytes : static_cast<std::size_t>(bytes));
   }
 
   std::size_t budget() const noexcept { return budget_; }
@@ -84,6 +92,7 @@ class budget_ledger {
   /// A new workload that must hold `pinned` bytes at once (0: not known yet). out_of_memory when
   /// that is more than the budget.
   workload_id join(std::string name, std::size_t pinned = 0) {
+    name = detail::printable(name);  // printed in reports and in other processes' errors
     check_fits(name, pinned, "declared");
     const workload_id id = next_id_++;
     workloads_.emplace(id, workload_usage{id, std::move(name), 0, pinned, 0});

@@ -123,13 +123,16 @@ class basic_dedup_broker {
   bool poll_once(int timeout_ms, int stop_fd = -1) {
     std::vector<pollfd> fds;
     fds.reserve(clients_.size() + 2);
-    fds.push_back({listener_.get(), POLLIN, 0});
+    fds.push_back({listener_.get(), listener_.poll_events(), 0});  // none while it backs off
     fds.push_back({stop_fd, POLLIN, 0});
     std::vector<int> order;
     order.reserve(clients_.size());
     for (const auto& [fd, c] : clients_) {
       fds.push_back({fd, POLLIN, 0});
       order.push_back(fd);
+    }
+    if (const int backoff = listener_.backoff_ms(); backoff > 0 && (timeout_ms < 0 || backoff < timeout_ms)) {
+      timeout_ms = backoff;
     }
     int ready;
     do {

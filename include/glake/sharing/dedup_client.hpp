@@ -223,13 +223,18 @@ class dedup_client {
 
   /// The broker's counters; nullopt when it cannot be reached.
   std::optional<dedup::broker_stats> broker_statistics() {
+    std::string why;
+    return broker_statistics(why);
+  }
+  /// The same, saying in `why` what went wrong when it returns nullopt.
+  std::optional<dedup::broker_stats> broker_statistics(std::string& why) {
     std::lock_guard lock(mutex_);
     leave_parent_connection();
-    std::string why;
     if (!ensure_connected(why)) return std::nullopt;
     auto answer = round_trip(dedup::encode(dedup::stats_request{}, next_request()), -1, why);
     if (!answer) return std::nullopt;
     if (auto* s = std::get_if<dedup::broker_stats>(&answer->first)) return *s;
+    why = "it answered stats with another message";
     return std::nullopt;
   }
 
