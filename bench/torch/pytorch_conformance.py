@@ -36,14 +36,22 @@ FILTERED_FILES = ("test/test_cuda.py",)
 BOOTSTRAP = '''\
 import os
 if os.environ.get("GLAKE_CONFORMANCE") == "1":
-    import glake_torch
-    _lib = os.environ.get("GLAKE_CONFORMANCE_LIBRARY")
-    glake_torch.enable(library=_lib) if _lib else glake_torch.enable()
-    _b = getattr(glake_torch, "backend", None)
     _out = os.environ.get("GLAKE_CONFORMANCE_BACKEND_FILE")
+    try:
+        import glake_torch
+        _lib = os.environ.get("GLAKE_CONFORMANCE_LIBRARY")
+        glake_torch.enable(library=_lib) if _lib else glake_torch.enable()
+        _b = getattr(glake_torch, "backend", None)
+        _said = str(_b()) if callable(_b) else "unknown (glake_torch.backend() absent)"
+    except BaseException as e:  # Python would print it and go on with the native allocator
+        _said = "enable failed: %r" % (e,)
+        if _out:
+            with open(_out, "w") as f:
+                f.write(_said)
+        os._exit(3)
     if _out:
         with open(_out, "w") as f:
-            f.write(str(_b()) if callable(_b) else "unknown (glake_torch.backend() absent)")
+            f.write(_said)
 '''
 
 
@@ -131,6 +139,47 @@ def run_pytest(python, node_ids, junit, env, per_test, seconds, cwd):
         return 124, "timed out after %ds" % seconds
 
 
+def local_imports(source, names):
+    """Modules of the test tree `source` imports: `import x` / `from x[.y] import` whose first
+    name is one of `names` (the test tree's top-level modules and packages)."""
+    found = set()
+    for m in re.finditer(r"^\s*(?:from\s+([\w.]+)\s+import|import\s+([\w.]+))", source, re.MULTILINE):
+        mod = m.group(1) or m.group(2)
+        if mod.split(".")[0] in names:
+            found.add(mod)
+    return sorted(found)
+
+
+def extract(git_dir, ref, dest):
+    """Writes the selected files of PyTorch's test tree at `ref` (and the test-tree modules they
+    import, transitively) from a git directory into dest; records the commit in dest/SOURCE."""
+    def git(*args):
+        return subprocess.run(["git", "--git-dir", git_dir] + list(args), check=True,
+                              capture_output=True, text=True).stdout
+    commit = git("rev-parse", ref + "^{commit}").strip()
+    tree = set(git("ls-tree", "-r", "--name-only", commit, "test/").split())
+    roots = {p.split("/")[1].rsplit(".py", 1)[0] for p in tree}
+    todo, done = list(WHOLE_FILES + FILTERED_FILES), set()
+    while todo:
+        path = todo.pop()
+        if path in done or path not in tree:
+            continue
+        done.add(path)
+        text = git("show", "%s:%s" % (commit, path))
+        target = os.path.join(dest, path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "w") as f:
+            f.write(text)
+        for mod in local_imports(text, roots):
+            parts = mod.split(".")
+            for n in range(len(parts), 0, -1):
+                base = "test/" + "/".join(parts[:n])
+                todo += [base + ".py", base + "/__init__.py"]
+    with open(os.path.join(dest, "SOURCE"), "w") as f:
+        f.write("pytorch %s (%s)\n" % (ref, commit))
+    return sorted(done)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tests-dir", required=True, help="folder holding test/test_cuda.py etc.")
@@ -140,15 +189,24 @@ def main():
     ap.add_argument("--max-seconds", type=int, default=480, help="the whole run, both allocators")
     ap.add_argument("--per-test-seconds", type=int, default=60)
     ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--extract-from", metavar="GIT_DIR",
+                    help="first write the test files into --tests-dir from PyTorch's git directory")
+    ap.add_argument("--ref", default="v2.11.0", help="tag or commit for --extract-from")
     ap.add_argument("--collect-only", action="store_true", help="print the selection and stop")
     a = ap.parse_args()
     start = time.time()
     tests_dir = os.path.abspath(a.tests_dir)
+    if a.extract_from:
+        for p in extract(a.extract_from, a.ref, tests_dir):
+            print("extracted", p, file=sys.stderr)
     files = [f for f in WHOLE_FILES + FILTERED_FILES if os.path.isfile(os.path.join(tests_dir, f))]
     if not files:
         sys.exit("pytorch_conformance: no %s under %s" % (" or ".join(WHOLE_FILES + FILTERED_FILES), tests_dir))
     base_env = dict(os.environ)
     base_env.pop("GLAKE_CONFORMANCE", None)
+    # PyTorch's tests import each other as top-level modules of test/ (e.g. `from inductor...`).
+    base_env["PYTHONPATH"] = os.pathsep.join([os.path.join(tests_dir, "test")] + (
+        [base_env["PYTHONPATH"]] if base_env.get("PYTHONPATH") else []))
     col = subprocess.run([a.python, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q"] + files,
                          cwd=tests_dir, env=base_env, capture_output=True, text=True, timeout=300)
     selected = select(parse_collect(col.stdout))
@@ -178,9 +236,11 @@ def main():
                                     max(30, left / (2 - i)), tests_dir)
         results[mode] = parse_junit(junit) if os.path.exists(junit) else {}
         print("%s: rc %d, %s" % (mode, rc, counts(results[mode])), file=sys.stderr)
-    backend = "unknown"
+    backend = "not reported (the glake run did not start)"
     if os.path.exists(os.path.join(work, "backend.txt")):
         backend = open(os.path.join(work, "backend.txt")).read().strip()
+    if backend.startswith("enable failed"):
+        print("pytorch_conformance: glake_torch.enable() failed: " + backend, file=sys.stderr)
     torch_version = subprocess.run([a.python, "-c", "import torch; print(torch.__version__)"],
                                    capture_output=True, text=True).stdout.strip()
     src = os.path.join(tests_dir, "SOURCE")
@@ -195,6 +255,8 @@ def main():
         for mode in logs:
             f.write(json.dumps({"allocator": mode, "log_tail": logs[mode]}) + "\n")
     write_markdown(a.markdown, meta, results.get("native", {}), results.get("glake", {}))
+    if backend.startswith("enable failed") or not results.get("glake"):
+        sys.exit(2)
 
 
 if __name__ == "__main__":

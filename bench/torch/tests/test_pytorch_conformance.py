@@ -46,6 +46,33 @@ class SelectionTest(unittest.TestCase):
         self.assertEqual(pc.select(["test/test_cuda.py::TestCuda::test_cublas_workspace"]), [])
 
 
+class ExtractTest(unittest.TestCase):
+    def test_follows_test_tree_imports_only(self):
+        import subprocess
+        git = tempfile.mkdtemp()
+        def put(path, text):
+            os.makedirs(os.path.dirname(os.path.join(git, path)), exist_ok=True)
+            with open(os.path.join(git, path), "w") as f:
+                f.write(text)
+        put("test/test_cuda.py", "import torch\nfrom common_helpers import x\n")
+        put("test/common_helpers.py", "from inductor.util import y\n")
+        put("test/inductor/util.py", "import os\n")
+        put("test/inductor/__init__.py", "")
+        put("test/inductor/test_cudagraph_trees.py", "import torch\n")
+        put("test/unrelated.py", "")
+        run = lambda *a: subprocess.run(["git", "-C", git] + list(a), check=True, capture_output=True)
+        run("init", "-q")
+        run("add", ".")
+        run("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "t")
+        run("tag", "v0")
+        dest = tempfile.mkdtemp()
+        got = pc.extract(os.path.join(git, ".git"), "v0", dest)
+        self.assertEqual(got, ["test/common_helpers.py", "test/inductor/__init__.py",
+                               "test/inductor/test_cudagraph_trees.py", "test/inductor/util.py",
+                               "test/test_cuda.py"])
+        self.assertTrue(open(os.path.join(dest, "SOURCE")).read().startswith("pytorch v0 ("))
+
+
 class ReportTest(unittest.TestCase):
     def setUp(self):
         self.dir = tempfile.mkdtemp()
