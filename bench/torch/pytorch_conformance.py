@@ -129,8 +129,8 @@ def write_markdown(path, meta, native, glake):
 def run_pytest(python, node_ids, junit, env, per_test, seconds, cwd):
     cmd = [python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--junitxml=" + junit,
            "-o", "junit_family=xunit1"]
-    if per_test:
-        cmd += ["-p", "pytest_timeout", "--timeout=%d" % per_test]
+    if per_test and subprocess.run([python, "-c", "import pytest_timeout"], capture_output=True).returncode == 0:
+        cmd += ["--timeout=%d" % per_test]  # pytest-timeout, loaded by its entry point
     cmd += node_ids
     try:
         p = subprocess.run(cmd, env=env, cwd=cwd, timeout=seconds, capture_output=True, text=True)
