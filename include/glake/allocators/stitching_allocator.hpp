@@ -22,12 +22,12 @@
 #include "glake/allocators/concepts.hpp"
 #include "glake/detail/accounting.hpp"
 #include "glake/detail/archetypes.hpp"
-#include "glake/detail/deferred_frees.hpp"
-#include "glake/detail/handle_mover.hpp"
-#include "glake/detail/segment_pool.hpp"
-#include "glake/detail/stitcher.hpp"
-#include "glake/detail/stream_adoption.hpp"
-#include "glake/detail/stream_clocks.hpp"
+#include "glake/allocators/stitching/deferred_frees.hpp"
+#include "glake/movers/handle_mover.hpp"
+#include "glake/allocators/stitching/segment_pool.hpp"
+#include "glake/allocators/stitching/stitcher.hpp"
+#include "glake/allocators/stitching/stream_adoption.hpp"
+#include "glake/allocators/stitching/stream_clocks.hpp"
 #include "glake/memory_state.hpp"
 #include "glake/movers/concepts.hpp"
 #include "glake/movers/far_memory.hpp"
@@ -68,8 +68,8 @@ namespace glake {
 /// Thread safety: as the Lock policy; one lock per public call. The default `no_lock` is for one
 /// thread only.
 /// Streams: free blocks and stitches belong to a stream and are reused on it at once; other
-/// streams take them once the work queued before their free has completed (detail/stream_clocks
-/// records the events, detail/stream_adoption moves the blocks, detail/deferred_frees holds
+/// streams take them once the work queued before their free has completed (stitching/stream_clocks
+/// records the events, stitching/stream_adoption moves the blocks, stitching/deferred_frees holds
 /// record_stream'd frees; see docs/streams.md). A cached range is unmapped, and physical memory
 /// released, only once the work that may use it has completed.
 /// Errors: allocate throws out_of_memory (state unchanged, allocator usable); try_allocate returns
@@ -1647,4 +1647,4 @@ static_assert(stream_recording_allocator<
 
 }  // namespace glake
 
-#include "glake/detail/stitching_verify.hpp"
+#include "glake/allocators/stitching/stitching_verify.hpp"
