@@ -1,4 +1,4 @@
-// Deferred frees (detail/deferred_frees.hpp): a free is deferred only when other streams used
+// Deferred frees (allocators/stitching/deferred_frees.hpp): a free is deferred only when other streams used
 // the allocation, and finished once their events completed, over a reserver whose events the
 // test completes by hand.
 #include <doctest/doctest.h>
@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "glake/backends/sim.hpp"
-#include "glake/detail/deferred_frees.hpp"
-#include "glake/detail/stream_clocks.hpp"
+#include "glake/allocators/stitching/deferred_frees.hpp"
+#include "glake/allocators/stitching/stream_clocks.hpp"
 #include "glake/statistics.hpp"
 #include "support/evented_reserver.hpp"
 

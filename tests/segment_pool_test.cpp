@@ -1,4 +1,4 @@
-// The segment pool (detail/segment_pool.hpp) over the simulated backend: segments made of the
+// The segment pool (allocators/stitching/segment_pool.hpp) over the simulated backend: segments made of the
 // growth policy's handles, counted as reserved, their whole handles, and the queue of fully free
 // segments.
 #include <doctest/doctest.h>
@@ -8,7 +8,7 @@
 
 #include "glake/backends/sim.hpp"
 #include "glake/detail/accounting.hpp"
-#include "glake/detail/segment_pool.hpp"
+#include "glake/allocators/stitching/segment_pool.hpp"
 #include "glake/policies/eviction.hpp"
 #include "glake/policies/growth.hpp"
 

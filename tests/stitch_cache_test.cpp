@@ -1,4 +1,4 @@
-// The stitch cache (detail/stitch_cache.hpp): stitched ranges by address, cached ones by
+// The stitch cache (allocators/stitching/stitch_cache.hpp): stitched ranges by address, cached ones by
 // (stream, size) and in eviction order, and the cached bytes, over ranges made by hand.
 #include <doctest/doctest.h>
 
@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "glake/config.hpp"
-#include "glake/detail/stitch_cache.hpp"
+#include "glake/allocators/stitching/stitch_cache.hpp"
 #include "glake/policies/eviction.hpp"
 
 namespace {

@@ -1,4 +1,4 @@
-// The repair planner (detail/stitch_repair.hpp) over segments filled in by hand: which handle
+// The repair planner (allocators/stitching/stitch_repair.hpp) over segments filled in by hand: which handle
 // replaces which, what is appended within the reservation, and the pieces and changes it plans.
 #include <doctest/doctest.h>
 
@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "glake/config.hpp"
-#include "glake/detail/stitch_cache.hpp"
-#include "glake/detail/stitch_repair.hpp"
+#include "glake/allocators/stitching/stitch_cache.hpp"
+#include "glake/allocators/stitching/stitch_repair.hpp"
 #include "glake/detail/vmm_backend.hpp"
 
 namespace {

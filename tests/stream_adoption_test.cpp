@@ -1,4 +1,4 @@
-// Stream adoption (detail/stream_adoption.hpp) over a block_arena and stream clocks: other
+// Stream adoption (allocators/stitching/stream_adoption.hpp) over a block_arena and stream clocks: other
 // streams' completed free blocks move to a request's stream, best fit or gathered largest first;
 // pending ones are waited for; free neighbours left on different streams are merged.
 #include <doctest/doctest.h>
@@ -10,8 +10,8 @@
 
 #include "glake/backends/sim.hpp"
 #include "glake/detail/block_arena.hpp"
-#include "glake/detail/stream_adoption.hpp"
-#include "glake/detail/stream_clocks.hpp"
+#include "glake/allocators/stitching/stream_adoption.hpp"
+#include "glake/allocators/stitching/stream_clocks.hpp"
 #include "glake/detail/vmm_backend.hpp"
 #include "glake/statistics.hpp"
 #include "support/evented_reserver.hpp"

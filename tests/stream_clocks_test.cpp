@@ -1,4 +1,4 @@
-// Stream clocks (detail/stream_clocks.hpp): marks, event recording at most once per interval,
+// Stream clocks (allocators/stitching/stream_clocks.hpp): marks, event recording at most once per interval,
 // polling, and the two ways to wait, over a reserver whose events the test completes by hand;
 // and the event-free clocks of the host and sim backends.
 #include <doctest/doctest.h>
@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "glake/backends/sim.hpp"
-#include "glake/detail/stream_clocks.hpp"
+#include "glake/allocators/stitching/stream_clocks.hpp"
 #include "glake/statistics.hpp"
 #include "support/evented_reserver.hpp"
 

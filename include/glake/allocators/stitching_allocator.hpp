@@ -22,13 +22,13 @@
 #include "glake/allocators/concepts.hpp"
 #include "glake/detail/accounting.hpp"
 #include "glake/detail/archetypes.hpp"
-#include "glake/detail/deferred_frees.hpp"
-#include "glake/detail/handle_mover.hpp"
-#include "glake/detail/segment_pool.hpp"
-#include "glake/detail/stitcher.hpp"
-#include "glake/detail/stream_adoption.hpp"
-#include "glake/detail/stream_clocks.hpp"
+#include "glake/allocators/stitching/deferred_frees.hpp"
+#include "glake/allocators/stitching/segment_pool.hpp"
+#include "glake/allocators/stitching/stitcher.hpp"
+#include "glake/allocators/stitching/stream_adoption.hpp"
+#include "glake/allocators/stitching/stream_clocks.hpp"
 #include "glake/memory_state.hpp"
+#include "glake/movers/allocation_mover.hpp"
 #include "glake/movers/concepts.hpp"
 #include "glake/movers/far_memory.hpp"
 #include "glake/policies/admission.hpp"
@@ -68,8 +68,8 @@ namespace glake {
 /// Thread safety: as the Lock policy; one lock per public call. The default `no_lock` is for one
 /// thread only.
 /// Streams: free blocks and stitches belong to a stream and are reused on it at once; other
-/// streams take them once the work queued before their free has completed (detail/stream_clocks
-/// records the events, detail/stream_adoption moves the blocks, detail/deferred_frees holds
+/// streams take them once the work queued before their free has completed (stitching/stream_clocks
+/// records the events, stitching/stream_adoption moves the blocks, stitching/deferred_frees holds
 /// record_stream'd frees; see docs/streams.md). A cached range is unmapped, and physical memory
 /// released, only once the work that may use it has completed.
 /// Errors: allocate throws out_of_memory (state unchanged, allocator usable); try_allocate returns
@@ -122,6 +122,21 @@ class stitching_allocator {
   };
   using small_pool = caching_allocator<borrowed_segment_source<small_lender>, no_lock, Evict>;
 
+  // The mover calls back into this allocator only through this (mover_host).
+  struct mover_link {
+    using backend_type = std::remove_reference_t<decltype(std::declval<pool_type&>().backend())>;
+    using events_type = typename detail::events_of<Reserver>::type;
+    stitching_allocator* parent;
+    backend_type& backend() noexcept { return parent->pool_.backend(); }
+    events_type& events() noexcept { return parent->clocks_.events(); }
+    detail::usage_counters& counters() noexcept { return parent->counters_; }
+    bool make_room(std::size_t bytes) { return parent->make_room_for_move(bytes); }
+    bool retained() noexcept { return parent->retain_; }
+    void release_parked(std::uintptr_t address) noexcept { parent->release_parked(address); }
+  };
+  static_assert(mover_host<mover_link>);
+  using mover_type = allocation_mover<mover_link, typename pool_type::slot_type>;
+
   static constexpr std::size_t max_candidates = 1024;
   static constexpr std::size_t max_reuse_probes = 32;
   static constexpr const char* name = "glake::stitching_allocator";
@@ -133,6 +148,7 @@ class stitching_allocator {
   stitching_allocator(Provider provider, Reserver reserver, config cfg = {})
       : config_(validated(cfg)),
         admission_(config_),
+        mover_(mover_link{this}),
         pool_(std::move(provider), std::move(reserver), config_, counters_),
         large_round_(config_.large_round_to == 0
                          ? pool_.chunk()
@@ -207,7 +223,7 @@ class stitching_allocator {
   /// (retain_memory), only the spares (mapped nowhere) go.
   std::size_t release_cached(std::size_t bytes) {
     std::lock_guard guard(lock_);
-    complete_ready(true);
+    mover_.complete_ready(true);
     finish_deferred(true);
     std::size_t released = pool_.backend().release_spares();
     if (released < bytes) released += release_free_segments(bytes - released);
@@ -216,7 +232,7 @@ class stitching_allocator {
       small_.release_free_segments(~std::size_t{0});
       released += release_free_segments(bytes - released);
     }
-    if (parked_ > 0 && !retain_) unpark();
+    if (mover_.parked_count() > 0 && !retain_) mover_.unpark();
     return released;
   }
 
@@ -261,7 +277,7 @@ class stitching_allocator {
   /// only releasing would serve fails instead.
   void retain_memory(bool retain) {
     std::lock_guard guard(lock_);
-    if (retain) complete_ready(true);  // no remap may come later
+    if (retain) mover_.complete_ready(true);  // no remap may come later
     retain_ = retain;
     if constexpr (stitches) stitcher_.freeze(retain);
   }
@@ -295,11 +311,7 @@ class stitching_allocator {
       if (std::binary_search(pending.begin(), pending.end(), reinterpret_cast<const void*>(address))) {
         return block_state::pending_free;
       }
-      if (parked_ > 0) {
-        if (const auto it = moved_.find(address); it != moved_.end() && it->second.parked) {
-          return block_state::pending_free;
-        }
-      }
+      if (mover_.parked_count() > 0 && mover_.parked(address)) return block_state::pending_free;
       return block_state::allocated;
     };
     pool_.arena().for_each_block([&](const block_type& b) {
@@ -347,9 +359,9 @@ class stitching_allocator {
              address_reserver_for<Reserver, Host> && copier_fits_reserver<Copier, Reserver>
   void attach_far_memory(Host host, Copier copier, far_residence away) {
     std::lock_guard guard(lock_);
-    if (!moved_.empty() || !pending_.empty()) {
+    if (mover_.busy() != 0) {
       throw usage_error(usage_error::kind::bad_argument,
-                        std::string(name) + "::attach_far_memory: " + std::to_string(moved_.size() + pending_.size()) +
+                        std::string(name) + "::attach_far_memory: " + std::to_string(mover_.busy()) +
                             " allocation(s) are in (or moving to or from) the far memory attached now");
     }
     const std::size_t g = host.granularity();
@@ -358,22 +370,23 @@ class stitching_allocator {
                          " are not multiples of the far memory's granularity (" + format_bytes(g) + ")");
     }
     // Copies in the far memory attached before go; the marks stay.
-    for (auto& [address, c] : clean_) release_far_copy(c);
+    mover_.release_far_copies();
+    std::unique_ptr<typename mover_type::far_type> far;
     if (away == far_residence::unmapped) {
       // Far handles keep a home mapping of their own (a copy of this reserver maps it): moves
       // copy straight to and from it.
-      far_ = std::make_unique<far_memory_of<Host, Copier, Reserver>>(std::move(host), std::move(copier),
-                                                                      Reserver(pool_.backend().reserver()));
+      far = std::make_unique<far_memory_of<Host, Copier, Reserver>>(std::move(host), std::move(copier),
+                                                                     Reserver(pool_.backend().reserver()));
     } else {
-      far_ = std::make_unique<far_memory_of<Host, Copier>>(std::move(host), std::move(copier));
+      far = std::make_unique<far_memory_of<Host, Copier>>(std::move(host), std::move(copier));
     }
-    away_unmapped_ = away == far_residence::unmapped;
-    pool_.set_far_releaser(&self::release_far_handle, this);
+    mover_.attach(std::move(far), away == far_residence::unmapped);
+    pool_.set_far_releaser(&mover_type::release_far_handle, &mover_);
   }
 
   /// Where memory moved to far memory is kept while there (attach_far_memory's `away`).
   far_residence far_residence_of_moves() const noexcept {
-    return away_unmapped_ ? far_residence::unmapped : far_residence::mapped;
+    return mover_.away_unmapped() ? far_residence::unmapped : far_residence::mapped;
   }
 
   /// Marks the live allocation at `p` as not written while it is on the device (frozen weights,
@@ -389,29 +402,23 @@ class stitching_allocator {
     std::lock_guard guard(lock_);
     const auto address = reinterpret_cast<std::uintptr_t>(p);
     const std::string where = std::string(name) + "::keep_far_copy: ";
-    if (!far_) throw usage_error(usage_error::kind::bad_argument, where + "no far memory is attached (attach_far_memory)");
+    if (!mover_.attached()) throw usage_error(usage_error::kind::bad_argument, where + "no far memory is attached (attach_far_memory)");
     const live_allocation a = find_live(address);
-    const auto moved = moved_.find(address);
-    if ((a.block == nullptr && a.range == nullptr) || (moved != moved_.end() && moved->second.parked)) {
+    if ((a.block == nullptr && a.range == nullptr) || mover_.parked(address)) {
       throw usage_error(usage_error::kind::foreign_pointer,
                         where + detail::pointer_text(p) + " is not a live large allocation of this allocator");
     }
     if (keep) {
-      clean_.try_emplace(address);
+      mover_.mark_clean(address);
       return;
     }
-    const auto it = clean_.find(address);
-    if (it == clean_.end()) return;
-    if constexpr (has_events) {
-      if (auto pit = pending_.find(address); pit != pending_.end()) complete_pending(pit, true);
-    }
-    drop_far_copy(it);
+    mover_.unmark_clean(address);
   }
 
   /// Far memory held by the clean copies of allocations on the device (keep_far_copy).
   std::size_t far_copy_bytes() const {
     std::lock_guard guard(lock_);
-    return clean_bytes_;
+    return mover_.clean_bytes();
   }
 
   /// Moves the memory of the live allocation at `p` to far memory, ordered on `stream`: every
@@ -476,10 +483,8 @@ class stitching_allocator {
   void complete_move(const void* p) {
     std::lock_guard guard(lock_);
     const auto address = reinterpret_cast<std::uintptr_t>(p);
-    if constexpr (has_events) {
-      if (auto it = pending_.find(address); it != pending_.end()) complete_pending(it, true);
-    }
-    if (pool_.backend().spare_bytes() != 0 && moved_.contains(address)) pool_.backend().release_spares();
+    mover_.complete(address);
+    if (pool_.backend().spare_bytes() != 0 && mover_.moved(address)) pool_.backend().release_spares();
   }
 
   /// Work queued on `stream` from this call on may use the allocation at `p`: its deferred
@@ -491,28 +496,14 @@ class stitching_allocator {
   /// completes it first.
   void ready_on(const void* p, stream_ref stream) {
     std::lock_guard guard(lock_);
-    if constexpr (has_events) {
-      const auto it = pending_.find(reinterpret_cast<std::uintptr_t>(p));
-      if (it == pending_.end()) return;
-      if constexpr (stream_joining_reserver<Reserver>) {
-        if (away_unmapped_ && !it->second.move->to_far()) {
-          clocks_.events().join(stream, it->second.copied);
-          it->second.joined = true;
-          return;
-        }
-      }
-      complete_pending(it, true);
-    } else {
-      (void)p;
-      (void)stream;
-    }
+    mover_.ready_on(reinterpret_cast<std::uintptr_t>(p), stream);
   }
 
   /// Completes the deferred moves whose copies are done; with `wait`, every one, waiting for
   /// them. Returns how many completed (failed remaps included). O(pending moves).
   std::size_t complete_moves(bool wait = false) {
     std::lock_guard guard(lock_);
-    return complete_ready(wait);
+    return mover_.complete_ready(wait);
   }
 
   /// The bytes offload(p) would move now: its whole handles (a stitched allocation's in the part
@@ -522,7 +513,7 @@ class stitching_allocator {
   std::size_t movable_bytes(const void* p) {
     std::lock_guard guard(lock_);
     const auto address = reinterpret_cast<std::uintptr_t>(p);
-    if (!far_ || retain_ || moved_.contains(address) || pending_.contains(address)) return 0;
+    if (!mover_.attached() || retain_ || mover_.moved(address) || mover_.moving(address)) return 0;
     const live_allocation a = find_live(address);
     if (a.block == nullptr && a.range == nullptr) return 0;
     std::vector<site_type> sites;
@@ -549,23 +540,20 @@ class stitching_allocator {
                             " is not a live allocation of this allocator");
     }
     const auto address = reinterpret_cast<std::uintptr_t>(p);
-    if (auto it = pending_.find(address); it != pending_.end()) {  // where its move takes it
-      return it->second.move->to_far() ? residence::host : residence::device;
-    }
-    return moved_.contains(address) ? residence::host : residence::device;
+    return mover_.residence_at(address);  // a pending move's: where it takes it
   }
 
  private:
   void release_cached_locked() {
-    complete_ready(true);
+    mover_.complete_ready(true);
     finish_deferred(true);
     pool_.backend().release_spares();  // mapped nowhere: retained memory or not
     if (retain_) return;
     evict_stitches(~std::size_t{0}, true);
     small_.release_free_segments(~std::size_t{0});
     release_free_segments(~std::size_t{0});
-    if (parked_ > 0) unpark();
-    if (far_) far_->trim();  // far handles kept for the next offloads
+    if (mover_.parked_count() > 0) mover_.unpark();
+    mover_.trim();  // far handles kept for the next offloads
   }
 
  public:
@@ -667,9 +655,7 @@ class stitching_allocator {
 
   bool owns_unlocked(const void* p) const {
     const auto address = reinterpret_cast<std::uintptr_t>(p);
-    if (!moved_.empty()) {
-      if (const auto it = moved_.find(address); it != moved_.end() && it->second.parked) return false;
-    }
+    if (mover_.parked(address)) return false;
     auto& arena = const_cast<pool_type&>(pool_).arena();
     if (const block_type* b = arena.find(address); b != nullptr && !b->free && b->owner == nullptr) return true;
     if (const stitched* s = find_stitch(address); s != nullptr && s->live) return true;
@@ -679,7 +665,7 @@ class stitching_allocator {
   // ------------------------------------------------------------------ the ladder
   void* allocate_locked(std::size_t bytes, stream_ref stream) {
     if constexpr (has_events) {
-      if (!pending_.empty()) complete_ready(false);
+      if (mover_.any_pending()) mover_.complete_ready(false);
     }
     if constexpr (has_events) {
       if (deferred_.pending()) finish_deferred(false);
@@ -788,7 +774,7 @@ class stitching_allocator {
   // Offloads still copying hold device memory that their completion gives back.
   void* finish_pending_moves(const request&) {
     if constexpr (has_events) {
-      if (!pending_.empty()) complete_ready(true);
+      if (mover_.any_pending()) mover_.complete_ready(true);
     }
     return nullptr;
   }
@@ -869,11 +855,11 @@ class stitching_allocator {
   void deallocate_locked(void* p, std::size_t bytes, stream_ref stream) {
     if (p == nullptr) return;
     if constexpr (has_events) {
-      if (!pending_.empty()) {
+      if (mover_.any_pending()) {
         // A move of it still copying is undone first: the memory stays where it was (one that
         // work may use already, ready_on, completes instead).
-        if (auto it = pending_.find(reinterpret_cast<std::uintptr_t>(p)); it != pending_.end()) undo_pending(it);
-        complete_ready(false);
+        mover_.undo(reinterpret_cast<std::uintptr_t>(p));
+        mover_.complete_ready(false);
       }
     }
     if constexpr (has_events) {
@@ -911,14 +897,10 @@ class stitching_allocator {
         return;
       }
     }
-    if (!clean_.empty()) {
-      if (const auto c = clean_.find(address); c != clean_.end()) drop_far_copy(c);
-    }
-    if (!moved_.empty()) {
-      if (const auto it = moved_.find(address); it != moved_.end()) {
-        if (it->second.parked) diagnose_bad_free(p, bytes, false);
-        if (!bring_back_for_free(it, p, bytes, stream)) return;  // parked: its memory stays far for now
-      }
+    mover_.forget_clean(address);
+    if (mover_.any_moved() && mover_.moved(address)) {
+      if (mover_.parked(address)) diagnose_bad_free(p, bytes, false);
+      if (!bring_back_for_free(p, bytes, stream)) return;  // parked: its memory stays far for now
     }
     if (block_type* b = pool_.arena().find(address); b != nullptr && !b->free && b->owner == nullptr) {
 #if GLAKE_CHECKED
@@ -1010,36 +992,12 @@ class stitching_allocator {
 
   void release_everything() noexcept {
     if constexpr (has_events) {
-      while (!pending_.empty()) undo_pending(pending_.begin());
+      mover_.undo_all();
       finish_deferred(true);
       clocks_.synchronize_all();
     }
-    while (!clean_.empty()) drop_far_copy(clean_.begin());
-    // Addresses a failed remap left unmapped get their handle back, so that giving the segments
-    // and ranges back unmaps what is mapped.
-    for (const auto& [address, h] : holes_) {
-      try {
-        pool_.backend().try_map_handle(reinterpret_cast<void*>(address), h.size, h.handle);
-      } catch (...) {
-      }
-    }
-    holes_.clear();
-    if (away_unmapped_) {
-      // Allocations still away (leaked) have unmapped addresses: their far handles are mapped
-      // there again, so that giving the segments and ranges back unmaps what is mapped.
-      for (auto& [address, m] : moved_) {
-        for (const site_type& site : m.sites) {
-          const std::uintptr_t addresses[] = {site.home, site.range};
-          for (const std::uintptr_t at : addresses) {
-            if (at == 0) continue;
-            try {
-              pool_.backend().try_map_handle(reinterpret_cast<void*>(at), site.slot->size, site.slot->handle);
-            } catch (...) {
-            }
-          }
-        }
-      }
-    }
+    // Addresses left unmapped (failed remaps, allocations still away) get their handles back.
+    mover_.restore_mappings();
     if constexpr (stitches) stitcher_.release_all();
     small_.release_free_segments(~std::size_t{0});
     // The pool gives every segment back when it is destroyed, after the small pool (declared
@@ -1047,67 +1005,12 @@ class stitching_allocator {
   }
 
 
-  // ------------------------------------------------------------------ offload
+  // ------------------------------------------------------------------ offload: the lookups
+  // The mover (mover_) keeps every offload's state and does the moves; this allocator finds the
+  // allocation and its handle sites, checks what only it knows, and hands the sites over.
   using slot_type = typename pool_type::slot_type;
-  using site_type = detail::handle_site<slot_type>;
-  using far_type = far_memory<typename Provider::handle_type>;
-  using move_type = detail::handle_move<std::remove_reference_t<decltype(std::declval<pool_type&>().backend())>, slot_type>;
-  /// An allocation whose memory is in far memory: its handles' sites, their bytes, and whether
-  /// it was freed meanwhile (parked: its memory waits there for device memory to come back to).
-  struct moved_allocation {
-    std::vector<site_type> sites;
-    std::size_t bytes = 0;
-    bool parked = false;
-  };
-  /// A marked allocation's clean far copy (keep_far_copy): the far handles of its sites, in
-  /// their order, while it is on the device; empty otherwise.
-  struct far_copy {
-    std::vector<typename Provider::handle_type> handles;
-    std::size_t bytes = 0;
-  };
-  using far_copy_map = std::map<std::uintptr_t, far_copy>;
+  using site_type = typename mover_type::site_type;
 
-  // The copy's far handles go back; the mark stays.
-  void release_far_copy(far_copy& c) noexcept {
-    for (const auto& h : c.handles) far_->release(h);
-    clean_bytes_ -= c.bytes;
-    c = far_copy{};
-  }
-  // The copy and the mark go.
-  void drop_far_copy(typename far_copy_map::iterator it) noexcept {
-    release_far_copy(it->second);
-    clean_.erase(it);
-  }
-  // The clean far copy to use for moving the allocation at `address` out with `sites`: none
-  // when it is unmarked, has no copy, or its sites no longer match the copy (then it goes).
-  far_copy* usable_far_copy(std::uintptr_t address, std::span<const site_type> sites, std::size_t bytes) noexcept {
-    if (clean_.empty()) return nullptr;
-    const auto it = clean_.find(address);
-    if (it == clean_.end() || it->second.handles.empty()) return nullptr;
-    if (it->second.handles.size() == sites.size() && it->second.bytes == bytes) return &it->second;
-    release_far_copy(it->second);
-    return nullptr;
-  }
-  // A move out that used the clean far copy finished: its handles are the slots' now.
-  void far_copy_used(far_copy& c) noexcept {
-    clean_bytes_ -= c.bytes;
-    c.handles.clear();
-    c.bytes = 0;
-  }
-  // A move back of a marked allocation finished: the far handles it replaced become its clean
-  // copy (released when it was unmarked meanwhile, or when recording it fails).
-  void keep_replaced(std::uintptr_t address, std::vector<typename Provider::handle_type> handles,
-                     std::size_t bytes) noexcept {
-    if (handles.empty()) return;
-    const auto it = clean_.find(address);
-    if (it == clean_.end() || !it->second.handles.empty()) {
-      for (const auto& h : handles) far_->release(h);
-      return;
-    }
-    it->second.handles = std::move(handles);
-    it->second.bytes = bytes;
-    clean_bytes_ += bytes;
-  }
   /// A live large allocation: its block, or its stitched range.
   struct live_allocation {
     block_type* block = nullptr;
@@ -1115,10 +1018,6 @@ class stitching_allocator {
     stream_ref stream{};
     std::size_t requested = 0;
   };
-
-  static void release_far_handle(void* context, typename Provider::handle_type handle) noexcept {
-    static_cast<self*>(context)->far_->release(handle);
-  }
 
   live_allocation find_live(std::uintptr_t address) {
     live_allocation a;
@@ -1193,30 +1092,14 @@ class stitching_allocator {
     }
   }
 
-  // A move in one call; out to a marked allocation's clean far copy (`clean`), or back keeping
-  // the far handles it replaces (in `kept`).
-  detail::move_outcome move_sites(std::span<const site_type> sites, bool to_far, bool copy, stream_ref stream,
-                                  const far_copy* clean = nullptr,
-                                  std::vector<typename Provider::handle_type>* kept = nullptr) {
-    const auto wait_copies = [&] {
-      if constexpr (has_events) {
-        auto& events = clocks_.events();
-        const auto e = events.record(stream);
-        events.wait(e);
-        events.recycle(e);
-      }
-    };
-    return detail::move_handles(pool_.backend(), *far_, sites, to_far, copy, stream, wait_copies, away_unmapped_,
-                                clean != nullptr ? std::span<const typename Provider::handle_type>(clean->handles)
-                                                 : std::span<const typename Provider::handle_type>(),
-                                kept, &holes_);
-  }
-
+  // offload / prefetch: the allocation looked up and checked here, its sites moved by mover_.
   void move_locked(const char* what, void* p, stream_ref stream, bool to_far, move_completion when,
                    stream_ref copies) {
     const auto address = reinterpret_cast<std::uintptr_t>(p);
     const std::string where = std::string(name) + "::" + what + ": ";
-    if (!far_) throw usage_error(usage_error::kind::bad_argument, where + "no far memory is attached (attach_far_memory)");
+    if (!mover_.attached()) {
+      throw usage_error(usage_error::kind::bad_argument, where + "no far memory is attached (attach_far_memory)");
+    }
     if constexpr (has_events && !stream_joining_reserver<Reserver>) {
       if (copies != stream) {
         throw usage_error(usage_error::kind::bad_argument,
@@ -1224,29 +1107,10 @@ class stitching_allocator {
                                   "(stream_joining_reserver)");
       }
     }
-    if constexpr (has_events) {
-      if (!pending_.empty()) {
-        if (auto pit = pending_.find(address); pit != pending_.end()) {
-          if (pit->second.move->to_far() == to_far) {
-            throw usage_error(usage_error::kind::bad_argument,
-                              where + detail::pointer_text(p) +
-                                  (to_far ? " is offloaded already (its move is pending)"
-                                          : " is not offloaded (it is coming back to the device)"));
-          }
-          if (!pit->second.joined) {
-            // The opposite of a pending move: undone once its copies are done, nothing copied back.
-            cancel_pending(pit);
-            return;
-          }
-          // Work may use the memory already (ready_on): the move completes, then this one runs.
-          complete_pending(pit, true);
-        }
-        complete_ready(false);
-      }
-    }
-    const auto it = moved_.find(address);
+    if (mover_.settle_before_move(where, p, to_far)) return;  // a pending move the other way undone
+    const bool away = mover_.moved(address);
     const live_allocation a = find_live(address);
-    if ((a.block == nullptr && a.range == nullptr) || (it != moved_.end() && it->second.parked)) {
+    if ((a.block == nullptr && a.range == nullptr) || (away && mover_.parked(address))) {
       if (small_.owns(p)) {
         throw usage_error(usage_error::kind::bad_argument,
                           where + detail::pointer_text(p) + " is a small allocation (at most small_limit, " +
@@ -1256,7 +1120,7 @@ class stitching_allocator {
       throw usage_error(usage_error::kind::foreign_pointer,
                         where + detail::pointer_text(p) + " is not a live allocation of this allocator");
     }
-    if (to_far == (it != moved_.end())) {
+    if (to_far == away) {
       throw usage_error(usage_error::kind::bad_argument,
                         where + detail::pointer_text(p) + (to_far ? " is offloaded already" : " is not offloaded"));
     }
@@ -1278,7 +1142,7 @@ class stitching_allocator {
                               "so none of it can move");
       }
     } else {
-      sites = it->second.sites;
+      sites = mover_.sites_of(address);
     }
     if constexpr (stitches) {
       // Another live stitched allocation may map these handles past the part it claims; moving
@@ -1305,181 +1169,7 @@ class stitching_allocator {
         stitcher_.drop_mapping(homes[i], lo, lo + sites[i].slot->size);
       }
     }
-    // Marked allocations (keep_far_copy): out to their clean copy, back keeping the far handles.
-    far_copy* clean = to_far ? usable_far_copy(address, sites, bytes) : nullptr;
-    const bool keep = !to_far && !clean_.empty() && clean_.contains(address);
-    if (deferred) {
-      start_deferred(where, p, sites, bytes, to_far, stream, copies, clean, keep);
-      return;
-    }
-    // Every use has completed (waited for above): the copies may go on any stream.
-    if (to_far) {
-      // The entry in moved_ is made first, so that recording the finished move cannot fail.
-      const auto entry = moved_.emplace(address, moved_allocation{}).first;
-      try {
-        if (move_sites(sites, true, true, copies, clean) == detail::move_outcome::out_of_memory) {
-          throw_move_out_of_memory(where, p, bytes, to_far);
-        }
-      } catch (...) {
-        moved_.erase(entry);
-        throw;
-      }
-      if (clean != nullptr) far_copy_used(*clean);
-      counters_.on_move_out(bytes);
-      entry->second = moved_allocation{std::move(sites), bytes, false};
-      return;
-    }
-    std::vector<typename Provider::handle_type> kept;
-    detail::move_outcome r = move_sites(sites, false, true, copies, nullptr, keep ? &kept : nullptr);
-    if (r == detail::move_outcome::out_of_memory && make_room_for_move(bytes)) {
-      r = move_sites(sites, false, true, copies, nullptr, keep ? &kept : nullptr);
-    }
-    if (r == detail::move_outcome::out_of_memory) throw_move_out_of_memory(where, p, bytes, to_far);
-    counters_.on_move_in(bytes);
-    moved_.erase(it);
-    keep_replaced(address, std::move(kept), bytes);
-  }
-
-  // ------------------------------------------------------------------ deferred moves
-  // A move whose copies were queued and whose remap waits for them (move_completion::deferred):
-  // the allocation at its address is, until then, physically where it was.
-  using moved_map = std::map<std::uintptr_t, moved_allocation>;
-  struct pending_move {
-    std::unique_ptr<move_type> move;
-    typename events_type::event_type copied{};  // recorded after the copies
-    typename moved_map::node_type record;       // an offload's entry in moved_, made up front
-    bool joined = false;                        // a stream waits for its copies (ready_on)
-  };
-  using pending_map = std::map<std::uintptr_t, pending_move>;
-
-  // Queues the copies of a deferred move and records it; completes it at once when the copies
-  // are done already. Out of memory for the new handles: out_of_memory, nothing changed.
-  // With `copies` other than `stream`, the copies wait there for the work queued on `stream`.
-  // A move out to a clean far copy (`clean`) copies nothing: it completes once the work queued
-  // on `stream` is done. A move back with `keep` keeps the far handles it replaces.
-  void start_deferred(const std::string& where, void* p, const std::vector<site_type>& sites, std::size_t bytes,
-                      bool to_far, stream_ref stream, [[maybe_unused]] stream_ref copies, far_copy* clean, bool keep) {
-    if constexpr (has_events) {
-      auto& events = clocks_.events();
-      const auto wait_copies = [&] {
-        const auto e = events.record(copies);
-        events.wait(e);
-        events.recycle(e);
-      };
-      auto move =
-          std::make_unique<move_type>(pool_.backend(), *far_, std::span<const site_type>(sites), to_far, away_unmapped_);
-      if (clean != nullptr) move->use_handles(clean->handles);
-      if (keep) move->keep_replaced();
-      move->note_holes(&holes_);
-      // The event completion waits for: after the copies, or after the work on `stream`.
-      const stream_ref done_on = clean != nullptr ? stream : copies;
-      const auto start = [&] {
-        if constexpr (stream_joining_reserver<Reserver>) {
-          if (copies != stream && clean == nullptr) {
-            const auto used = events.record(stream);
-            try {
-              events.join(copies, used);
-            } catch (...) {
-              events.recycle(used);
-              throw;
-            }
-            events.recycle(used);
-          }
-        }
-        return move->start(clean == nullptr, copies, wait_copies);
-      };
-      detail::move_outcome r = start();
-      if (r == detail::move_outcome::out_of_memory && !to_far && make_room_for_move(bytes)) r = start();
-      if (r == detail::move_outcome::out_of_memory) throw_move_out_of_memory(where, p, bytes, to_far);
-      const auto address = reinterpret_cast<std::uintptr_t>(p);
-      typename pending_map::iterator it;
-      try {
-        it = pending_.emplace(address, pending_move{}).first;
-        try {
-          if (to_far) {
-            moved_map one;  // the entry completion will add to moved_, so that adding cannot fail
-            one.emplace(address, moved_allocation{});
-            it->second.record = one.extract(one.begin());
-          }
-          it->second.copied = events.record(done_on);
-        } catch (...) {
-          pending_.erase(it);
-          throw;
-        }
-      } catch (...) {
-        events.synchronize();  // the copies may still write the new handles
-        throw;                 // move's destructor gives them back
-      }
-      it->second.move = std::move(move);
-      if (events.done_or_not_yet(it->second.copied)) complete_pending(it, false);
-    }
-  }
-
-  // Completes the pending moves whose copies are done (all, waiting, with `wait`).
-  std::size_t complete_ready([[maybe_unused]] bool wait) noexcept {
-    std::size_t completed = 0;
-    if constexpr (has_events) {
-      for (auto it = pending_.begin(); it != pending_.end();) {
-        auto next = std::next(it);
-        if (wait || clocks_.events().done_or_not_yet(it->second.copied)) {
-          complete_pending(it, wait);
-          ++completed;
-        }
-        it = next;
-      }
-    }
-    return completed;
-  }
-
-  // Remaps a pending move's addresses once its copies are done (waiting for them first with
-  // `wait`) and records where the allocation now is. A remap that fails (out of mapping
-  // resources, a driver error) leaves everything where it was.
-  void complete_pending(typename pending_map::iterator it, bool wait) noexcept {
-    auto& events = clocks_.events();
-    if (wait) events.wait(it->second.copied);
-    events.recycle(it->second.copied);
-    const std::uintptr_t address = it->first;
-    std::unique_ptr<move_type> move = std::move(it->second.move);
-    typename moved_map::node_type record = std::move(it->second.record);
-    pending_.erase(it);
-    detail::move_outcome r = detail::move_outcome::out_of_memory;
-    try {
-      r = move->finish();
-    } catch (...) {
-    }
-    if (r != detail::move_outcome::moved) return;  // finish gave the new handles back
-    const std::size_t bytes = move->bytes();
-    if (move->to_far()) {
-      if (move->uses_given_handles()) {
-        if (const auto c = clean_.find(address); c != clean_.end()) far_copy_used(c->second);
-      }
-      counters_.on_move_out(bytes);
-      record.mapped() = moved_allocation{move->take_sites(), bytes, false};
-      moved_.insert(std::move(record));
-    } else {
-      counters_.on_move_in(bytes);
-      moved_.erase(address);
-      keep_replaced(address, move->take_replaced(), bytes);
-    }
-  }
-
-  // Undoes a pending move, or completes one that work may be using already (ready_on).
-  void undo_pending(typename pending_map::iterator it) noexcept {
-    if (it->second.joined) {
-      complete_pending(it, true);
-    } else {
-      cancel_pending(it);
-    }
-  }
-
-  // Undoes a pending move once its copies are done: the new handles go, the allocation stays
-  // where it was (its bytes there are intact: nothing may have used it meanwhile).
-  void cancel_pending(typename pending_map::iterator it) noexcept {
-    auto& events = clocks_.events();
-    events.wait(it->second.copied);
-    events.recycle(it->second.copied);
-    it->second.move->abandon();
-    pending_.erase(it);
+    mover_.move(where, p, std::move(sites), bytes, to_far, deferred, stream, copies);
   }
 
   // Device memory this allocator caches makes room for `bytes` coming back; whether any went.
@@ -1489,27 +1179,18 @@ class stitching_allocator {
     return release_free_segments(bytes) > 0;
   }
 
-  [[noreturn]] void throw_move_out_of_memory(const std::string& where, void* p, std::size_t bytes, bool to_far) {
-    throw out_of_memory(bytes, counters_.s.reserved_bytes, counters_.s.active_bytes,
-                        where + "moving " + format_bytes(bytes) + " of " + detail::pointer_text(p) + " " +
-                            (to_far ? "to far memory: far memory ran out" : "back to the device: the device ran out") +
-                            " (nothing moved; reserved " + format_bytes(counters_.s.reserved_bytes) +
-                            ", offloaded " + format_bytes(counters_.s.offloaded_bytes) + ")");
-  }
-
   // A free of an offloaded allocation: its memory back on the device (no copy: the bytes are
   // dead), making room from the cache if needed; true then, and the free goes on. Without device
   // memory for it, the allocation is parked instead (false): freed for the caller, its memory
   // left in far memory until release_cached finds it room.
-  bool bring_back_for_free(typename std::map<std::uintptr_t, moved_allocation>::iterator it, void* p,
-                           std::size_t bytes, stream_ref stream) {
-    const live_allocation a = find_live(it->first);
+  bool bring_back_for_free(void* p, std::size_t bytes, stream_ref stream) {
+    const auto address = reinterpret_cast<std::uintptr_t>(p);
+    const live_allocation a = find_live(address);
 #if GLAKE_CHECKED
     if (a.requested != bytes) detail::throw_size_mismatch(name, p, bytes, a.requested);
 #else
     (void)bytes;
 #endif
-    moved_allocation& m = it->second;
     // Work queued before the free may still use the memory: it waits, as a remap must. A free
     // may come from a deferred free's completion, where nothing may throw: a failed event record
     // waits for the device instead.
@@ -1518,60 +1199,25 @@ class stitching_allocator {
     } catch (...) {
       if constexpr (has_events) clocks_.events().synchronize();
     }
-    detail::move_outcome r = detail::move_outcome::out_of_memory;
-    try {
-      r = move_sites(m.sites, false, false, stream);
-      if (r == detail::move_outcome::out_of_memory && !retain_ && make_room_for_move(m.bytes)) {
-        r = move_sites(m.sites, false, false, stream);
-      }
-    } catch (...) {
-      r = detail::move_outcome::out_of_memory;  // a free does not fail: park it
-    }
-    if (r == detail::move_outcome::moved) {
-      counters_.on_move_in(m.bytes);
-      moved_.erase(it);
-      return true;
-    }
+    if (mover_.bring_back_dead(address, stream)) return true;
     counters_.on_park(a.requested);
-    tell(memory_action::free_completed, it->first, a.requested, stream);
+    tell(memory_action::free_completed, address, a.requested, stream);
     if (a.block != nullptr) a.block->requested = 0;
     if (a.range != nullptr) a.range->requested = 0;
-    m.parked = true;
-    ++parked_;
+    mover_.park(address);
     return false;
   }
 
-  // Parked allocations whose memory can come back to the device now finish their free.
-  void unpark() noexcept {
-    for (auto it = moved_.begin(); it != moved_.end();) {
-      moved_allocation& m = it->second;
-      if (!m.parked) {
-        ++it;
-        continue;
-      }
-      detail::move_outcome r = detail::move_outcome::out_of_memory;
-      try {
-        r = move_sites(m.sites, false, false, default_stream);
-      } catch (...) {
-      }
-      if (r != detail::move_outcome::moved) {
-        ++it;
-        continue;
-      }
-      counters_.on_move_in(m.bytes);
-      const std::uintptr_t address = it->first;
-      it = moved_.erase(it);
-      --parked_;
-      const live_allocation a = find_live(address);
-      if (a.block != nullptr) {
-        counters_.s.allocated_bytes -= a.block->size;
-        pool_.enter_free_queue(pool_.arena().give_back(a.block, clocks_.mark_free(a.block->stream)));
-      } else if constexpr (stitches) {
-        if (a.range != nullptr) stitcher_.release(*a.range, false);
-      }
+  // A parked allocation whose memory came back to the device (mover_.unpark) finishes its free.
+  void release_parked(std::uintptr_t address) noexcept {
+    const live_allocation a = find_live(address);
+    if (a.block != nullptr) {
+      counters_.s.allocated_bytes -= a.block->size;
+      pool_.enter_free_queue(pool_.arena().give_back(a.block, clocks_.mark_free(a.block->stream)));
+    } else if constexpr (stitches) {
+      if (a.range != nullptr) stitcher_.release(*a.range, false);
     }
   }
-
   // ------------------------------------------------------------------ reporting
   void tell(memory_action action, std::uintptr_t address, std::size_t size, stream_ref stream) const noexcept {
     if (observer_ != nullptr) observer_(observer_context_, memory_event{action, address, size, stream});
@@ -1602,8 +1248,7 @@ class stitching_allocator {
   config config_;
   [[no_unique_address]] Admission admission_;
   detail::usage_counters counters_;
-  bool away_unmapped_ = false;  ///< far_residence::unmapped
-  std::unique_ptr<far_type> far_;  ///< before pool_: a segment given back releases its far handles
+  mover_type mover_;  ///< before pool_: a segment given back releases its far handles there
   pool_type pool_;
   std::size_t large_round_;  ///< large_round_to, or the chunk size
   clocks_type clocks_;
@@ -1617,12 +1262,6 @@ class stitching_allocator {
   memory_observer observer_ = nullptr;
   void* observer_context_ = nullptr;
   bool retain_ = false;  // retain_memory: nothing released, unmapped or remapped
-  moved_map moved_;                                   // allocations in far memory, by address
-  pending_map pending_;                               // deferred moves still copying, by address
-  std::size_t parked_ = 0;                            // of them, freed ones
-  far_copy_map clean_;                                // allocations marked keep_far_copy, by address
-  detail::mapping_holes<typename Provider::handle_type> holes_;  // addresses a failed remap left unmapped
-  std::size_t clean_bytes_ = 0;                       // far memory their clean copies hold
   [[no_unique_address]] mutable Lock lock_;
 };
 
@@ -1647,4 +1286,4 @@ static_assert(stream_recording_allocator<
 
 }  // namespace glake
 
-#include "glake/detail/stitching_verify.hpp"
+#include "glake/allocators/stitching/stitching_verify.hpp"

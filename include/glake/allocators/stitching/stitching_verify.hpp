@@ -92,11 +92,7 @@ void stitching_allocator<Provider, Reserver, Stitch, Evict, Lock, Admission, Gro
   if (active != counters_.s.active_bytes) fail("active bytes disagree with live allocations");
   if (free_bytes != pool_.arena().free_bytes()) fail("free bytes disagree with free blocks");
   // A pending prefetch holds device handles it has made and not mapped home yet.
-  std::size_t coming_in = 0;
-  for (const auto& [address, m] : pending_) {
-    if (!m.move->to_far()) coming_in += m.move->bytes();
-    if (!m.move->to_far() != moved_.contains(address)) fail("a pending move disagrees with the moved allocations");
-  }
+  const std::size_t coming_in = mover_.verify_pending(fail);
   // Spare handles (vmm_backend::keep_spares) are held and counted as reserved.
   const std::size_t spares = pool_.backend().spare_bytes();
   if (spares > pool_.backend().spare_limit()) fail("spare handles exceed their bound");
@@ -105,19 +101,7 @@ void stitching_allocator<Provider, Reserver, Stitch, Evict, Lock, Admission, Gro
     fail("reserved bytes disagree with segments");
   }
   if (free_segments != pool_.free_segments()) fail("free segment queue disagrees with free segments");
-  std::size_t moved_bytes = 0, parked = 0;
-  for (const auto& [address, m] : moved_) {
-    std::size_t bytes = 0;
-    for (const auto& site : m.sites) {
-      if (!site.slot->far) fail("an offloaded allocation's handle is not far memory's");
-      bytes += site.slot->size;
-    }
-    if (bytes != m.bytes) fail("an offloaded allocation's bytes disagree with its handles");
-    moved_bytes += bytes;
-    parked += m.parked ? 1 : 0;
-  }
-  if (moved_bytes != counters_.s.offloaded_bytes) fail("offloaded bytes disagree with offloaded allocations");
-  if (parked != parked_) fail("parked allocations miscounted");
+  mover_.verify_moved(fail, counters_.s.offloaded_bytes);
   if (small_blocks * config_.small_segment != small_.stats_unlocked().reserved_bytes) {
     fail("small pool's segments disagree with blocks lent to it");
   }

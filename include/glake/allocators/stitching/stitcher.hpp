@@ -11,8 +11,8 @@
 
 #include "glake/config.hpp"
 #include "glake/detail/accounting.hpp"
-#include "glake/detail/stitch_cache.hpp"
-#include "glake/detail/stitch_repair.hpp"
+#include "glake/allocators/stitching/stitch_cache.hpp"
+#include "glake/allocators/stitching/stitch_repair.hpp"
 #include "glake/policies/admission.hpp"
 #include "glake/policies/eviction.hpp"
 #include "glake/policies/stitching.hpp"
