@@ -20,7 +20,7 @@ import tempfile
 LAYERS = [
     ("glake.hpp", "umbrella"),
     ("presets.hpp", "presets"),
-    ("presets_extern.hpp", "presets"),
+    ("cuda_presets.hpp", "presets"),
     # A freestanding container (it includes nothing of glake) that the host backend keeps its
     # file ranges in: below the backends, beside the vocabulary.
     ("detail/node_pool.hpp", "core"),

@@ -33,6 +33,7 @@
 #include "glake/policies/growth.hpp"
 #include "glake/policies/locking.hpp"
 #include "glake/policies/stitching.hpp"
+#include "glake/presets.hpp"
 #include "glake/scheduling/access_trace.hpp"
 #include "glake/scheduling/allocation_memory.hpp"
 #include "glake/scheduling/budget.hpp"
