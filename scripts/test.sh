@@ -86,6 +86,9 @@ if configure_and_build build/debug -DCMAKE_BUILD_TYPE=Debug -DGLAKE_SANITIZE= "$
   debug=PASS
 fi
 
+echo "=== test.sh: compile time of a user's file (bench/compile_time.sh; printed, never fails) ==="
+./bench/compile_time.sh --repeat 1 || true
+
 asan=FAIL
 echo "=== test.sh: AddressSanitizer + UBSan build (build/asan) ==="
 export ASAN_OPTIONS=detect_leaks=1

@@ -20,6 +20,7 @@
 #include "glake/backends/host_dma.hpp"
 #include "glake/backends/sim.hpp"
 #include "glake/config.hpp"
+#include "glake/config_io.hpp"
 #include "glake/errors.hpp"
 #include "glake/movers/concepts.hpp"
 #include "glake/movers/copy_plan.hpp"

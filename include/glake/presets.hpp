@@ -82,6 +82,39 @@ using with_lock_t = typename with_lock<Allocator, Lock>::type;
 template <class Allocator>
 using lock_of_t = typename with_lock<Allocator, no_lock>::old_lock;
 
+// With GLAKE_PRESETS_EXTERN defined (the CMake target glake::presets defines it and links
+// src/presets.cpp), the members every user calls (constructor, destructor, allocate,
+// try_allocate, deallocate, stats) of the host and simulated presets are instantiated once in
+// that library, and translation units that use them skip generating that code. Whole classes
+// cannot be instantiated explicitly: some members exist only for backends with events. Without
+// the macro the header stands alone.
+#define GLAKE_PRESET_STITCHING_MEMBERS(prefix, ...)                                      \
+  prefix __VA_ARGS__::stitching_allocator(__VA_ARGS__::provider_type, __VA_ARGS__::reserver_type, config); \
+  prefix __VA_ARGS__::~stitching_allocator();                                           \
+  prefix void* __VA_ARGS__::allocate(std::size_t, stream_ref);                          \
+  prefix void* __VA_ARGS__::try_allocate(std::size_t, stream_ref);                      \
+  prefix void __VA_ARGS__::deallocate(void*, std::size_t, stream_ref);                  \
+  prefix statistics __VA_ARGS__::stats() const;
+#define GLAKE_PRESET_CACHING_MEMBERS(prefix, ...)                                        \
+  prefix __VA_ARGS__::caching_allocator(__VA_ARGS__::source_type, caching_rules);       \
+  prefix __VA_ARGS__::~caching_allocator();                                             \
+  prefix void* __VA_ARGS__::allocate(std::size_t, stream_ref);                          \
+  prefix void* __VA_ARGS__::try_allocate(std::size_t, stream_ref);                      \
+  prefix void __VA_ARGS__::deallocate(void*, std::size_t, stream_ref);                  \
+  prefix statistics __VA_ARGS__::stats() const;
+#define GLAKE_PRESETS_INSTANTIATE(prefix)                                                \
+  GLAKE_PRESET_STITCHING_MEMBERS(prefix, host_stitching_allocator<no_lock>)             \
+  GLAKE_PRESET_STITCHING_MEMBERS(prefix, host_stitching_allocator<mutex_lock>)          \
+  GLAKE_PRESET_STITCHING_MEMBERS(prefix, sim_stitching_allocator<no_lock>)              \
+  GLAKE_PRESET_STITCHING_MEMBERS(prefix, sim_stitching_allocator<mutex_lock>)           \
+  GLAKE_PRESET_CACHING_MEMBERS(prefix, host_caching_allocator<no_lock>)                 \
+  GLAKE_PRESET_CACHING_MEMBERS(prefix, host_caching_allocator<mutex_lock>)              \
+  GLAKE_PRESET_CACHING_MEMBERS(prefix, sim_caching_allocator<no_lock>)                  \
+  GLAKE_PRESET_CACHING_MEMBERS(prefix, sim_caching_allocator<mutex_lock>)
+#if defined(GLAKE_PRESETS_EXTERN)
+GLAKE_PRESETS_INSTANTIATE(extern template)
+#endif
+
 static_assert(allocator<host_stitching_allocator<>> && owning_allocator<host_stitching_allocator<>>);
 static_assert(stream_recording_allocator<shared_host_stitching_allocator>);
 static_assert(std::is_same_v<lock_of_t<shared_host_stitching_allocator>, mutex_lock>);
