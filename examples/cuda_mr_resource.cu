@@ -2,9 +2,7 @@
 // takes a memory resource, used stream-ordered, through a type-erased reference, and by copies.
 // Needs a GPU; the test that runs it skips without one.
 #include <glake/adaptors/cuda_mr_resource.hpp>
-#include <glake/allocators/stitching_allocator.hpp>
-#include <glake/backends/cuda.hpp>
-#include <glake/policies/locking.hpp>
+#include <glake/cuda_presets.hpp>
 
 #include <cuda_runtime.h>
 
@@ -34,8 +32,7 @@ unsigned* make_iota(device_ref mr, cuda::stream_ref stream, std::size_t n) {
 int main() {
   using namespace glake;
   // Copies of the resource may be used from several threads: give the allocator a lock.
-  using gpu_allocator = stitching_allocator<cuda_provider, cuda_reserver, best_fit_tail_stitching,
-                                            lru_eviction, mutex_lock>;
+  using gpu_allocator = shared_gpu_stitching_allocator;
   cuda_mr_resource<gpu_allocator> resource =
       make_cuda_mr_resource<gpu_allocator>(cuda_provider(0), cuda_reserver(0));
   static_assert(models_cuda_mr_v<decltype(resource), cuda::mr::device_accessible>);

@@ -78,14 +78,14 @@ int main() {
   std::printf("%-34s %9s %10s %8s %9s %9s %9s\n", "allocator", "active GB", "reserved GB", "util",
               "stitches", "reused", "drv calls");
 
-  using sim_segments = vmm_segment_source<sim_provider, sim_reserver>;
+  using sim_segments = vmm_segment_source<sim_provider, sim_reserver>;  // one handle per segment
   {
     sim_device gpu(80 * GiB);
     caching_rules rules;  // PyTorch's large-pool rules: 20 MiB segments under 10 MiB, split > 1 MiB
     rules.min_segment = 20 * MiB;
     rules.segment_threshold = 10 * MiB;
     rules.min_split_remainder = MiB + 512;
-    caching_allocator<sim_segments> caching(sim_segments(sim_provider{gpu}, sim_reserver{gpu}), rules);
+    sim_caching_allocator<> caching(sim_segments(sim_provider{gpu}, sim_reserver{gpu}), rules);
     print_row("caching (best fit, split, no stitch)", run_training(caching));
   }
   {
@@ -105,7 +105,7 @@ int main() {
     config cfg;
     cfg.frag_limit = 2 * MiB;  // stitch whatever does not fit
     cfg.grow_stitch = true;    // and create only the shortfall
-    stitching_allocator<sim_provider, sim_reserver> allocator(sim_provider{gpu}, sim_reserver{gpu}, cfg);
+    sim_stitching_allocator<> allocator(sim_provider{gpu}, sim_reserver{gpu}, cfg);
     print_row("glake (stitch all, grow shortfall)", run_training(allocator));
     if (gpu.violations() != 0) {
       std::printf("CUDA rule violations seen by the simulator: %s\n", gpu.last_violation().c_str());

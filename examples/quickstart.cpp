@@ -13,7 +13,7 @@ int main() {
   // Compose: physical chunks from memfd, address ranges from mmap, GMLake-style stitching.
   config cfg = config::from_env();  // GLAKE_ALLOC_CONF="frag_limit:2MiB,..." or GMLake's variables
   cfg.frag_limit = 2 * MiB;         // stitch any request that no free block can serve
-  stitching_allocator<host_provider, host_reserver> allocator(host_provider(), host_reserver(), cfg);
+  host_stitching_allocator<> allocator(host_provider(), host_reserver(), cfg);  // glake/presets.hpp
 
   // Fragment: four 8 MiB blocks, free every other one.
   void* blocks[4];

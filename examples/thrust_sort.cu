@@ -7,8 +7,7 @@
 #include <thrust/tabulate.h>
 
 #include <glake/adaptors/thrust_allocator.hpp>
-#include <glake/allocators/stitching_allocator.hpp>
-#include <glake/backends/cuda.hpp>
+#include <glake/cuda_presets.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -34,7 +33,7 @@ bool ok(cudaError_t e, const char* what) {
 
 int main() {
   using namespace glake;
-  using allocator_type = stitching_allocator<cuda_provider, cuda_reserver>;
+  using allocator_type = gpu_stitching_allocator<>;
   using keys_allocator = thrust_allocator<std::uint32_t, allocator_type>;
 
   if (!ok(cudaFree(nullptr), "cudaFree(nullptr)")) return 1;  // the runtime's context, shared with glake's driver calls

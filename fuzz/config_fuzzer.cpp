@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "glake/config.hpp"
+#include "glake/config_io.hpp"
 
 namespace {
 

@@ -137,6 +137,9 @@ rmm_setup() {
 }
 rmm_setup || true
 
+echo "=== test.sh: compile time of a user's file (bench/compile_time.sh; printed, never fails) ==="
+./bench/compile_time.sh --repeat 1 || true
+
 checked=FAIL
 t=$SECONDS
 echo "=== test.sh: checked build, RelWithDebInfo under AddressSanitizer + UBSan (build/checked) ==="

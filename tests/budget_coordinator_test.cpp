@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "glake/backends/sim.hpp"
-#include "glake/detail/unix_socket.hpp"
+#include "glake/ipc/unix_socket.hpp"
 #include "glake/movers/virtual_buffer.hpp"
 #include "glake/scheduling/budget_coordinator.hpp"
 #include "glake/scheduling/budget_protocol.hpp"

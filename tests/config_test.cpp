@@ -4,6 +4,7 @@
 #include <cmath>
 #include <functional>
 #include <glake/config.hpp>
+#include <glake/config_io.hpp>
 #include <limits>
 #include <map>
 #include <string>

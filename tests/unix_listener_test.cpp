@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "glake/detail/unix_listener.hpp"
+#include "glake/ipc/unix_listener.hpp"
 #include "support/processes.hpp"
 
 using namespace glake;

@@ -3,9 +3,7 @@
 // takes its memory from a stitching allocator on the GPU. Needs RMM (GLAKE_WITH_RMM) and a GPU;
 // the test that runs it skips without one.
 #include <glake/adaptors/rmm_resource.hpp>
-#include <glake/allocators/stitching_allocator.hpp>
-#include <glake/backends/cuda.hpp>
-#include <glake/policies/locking.hpp>
+#include <glake/cuda_presets.hpp>
 
 #include <rmm/cuda_stream.hpp>
 #include <rmm/device_buffer.hpp>
@@ -35,8 +33,7 @@ bool spill(std::size_t, void* arg) {
 }  // namespace
 
 int main() {
-  using gpu = glake::stitching_allocator<glake::cuda_provider, glake::cuda_reserver, glake::best_fit_tail_stitching,
-                                         glake::lru_eviction, glake::mutex_lock>;  // RMM's resource is shared
+  using gpu = glake::shared_gpu_stitching_allocator;  // RMM's resource is shared: a mutex_lock
   glake::config cfg;
   cfg.memory_limit = 1ull << 30;  // 1 GiB, so that the spill below happens
   auto glake_mr = glake::make_rmm_resource<gpu>(glake::cuda_provider(0), glake::cuda_reserver(0), cfg);

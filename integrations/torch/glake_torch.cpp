@@ -43,11 +43,13 @@
 #include <sys/mman.h>
 
 #include "glake/backends/sim.hpp"
+#include "glake/presets.hpp"
 #include "glake/sharing/host_sharing.hpp"
 #else
 #include <cuda.h>
 
 #include "glake/backends/cuda.hpp"
+#include "glake/cuda_presets.hpp"
 #include "glake/sharing/cuda_sharing.hpp"
 #endif
 
@@ -57,8 +59,7 @@ using namespace glake;
 
 #if GLAKE_TORCH_SIMULATED
 
-using allocator_type =
-    stitching_allocator<sim_provider, sim_reserver, best_fit_tail_stitching, lru_eviction, mutex_lock>;
+using allocator_type = shared_sim_stitching_allocator;
 using device_scope = no_device_scope;
 constexpr const char* backend_name = "simulated";
 
@@ -125,8 +126,7 @@ using weights_registry = torch_plugin::shared_weights_registry<host_region_maker
 
 #else
 
-using allocator_type =
-    stitching_allocator<cuda_provider, cuda_reserver, best_fit_tail_stitching, lru_eviction, mutex_lock>;
+using allocator_type = shared_gpu_stitching_allocator;
 
 /// Makes the device's primary context (PyTorch's) current for one call and restores the caller's
 /// afterwards. PyTorch calls alloc_fn with the device current, but frees, record_stream and

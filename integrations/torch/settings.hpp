@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "glake/config.hpp"
+#include "glake/config_io.hpp"
 
 namespace glake::torch_plugin {
 

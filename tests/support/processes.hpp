@@ -18,7 +18,7 @@
 #include <system_error>
 #include <thread>
 
-#include "glake/detail/unix_socket.hpp"
+#include "glake/ipc/unix_socket.hpp"
 
 namespace glake::testing {
 

@@ -14,6 +14,7 @@
 #include <string_view>
 
 #include "glake/config.hpp"
+#include "glake/config_io.hpp"
 #include "glake/detail/printable.hpp"
 #include "glake/errors.hpp"
 #include "glake/scheduling/budget_coordinator.hpp"

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "glake/config.hpp"
+#include "glake/config_io.hpp"
 #include "glake/errors.hpp"
 #include "glake/sharing/dedup_broker.hpp"
 #include "glake/sharing/dedup_client.hpp"

@@ -17,6 +17,7 @@
 #include "glake/allocators/stitching_allocator.hpp"
 #include "glake/backends/sim.hpp"
 #include "glake/config.hpp"
+#include "glake/config_io.hpp"
 #include "glake/policies/eviction.hpp"
 #include "glake/policies/stitching.hpp"
 

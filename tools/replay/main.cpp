@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "glake/config.hpp"
+#include "glake/config_io.hpp"
 #include "glake/errors.hpp"
 #include "configurations.hpp"
 #include "replay.hpp"

@@ -34,6 +34,7 @@
 #include "glake/config.hpp"
 #include "glake/detail/node_pool.hpp"
 #include "glake/errors.hpp"
+#include "glake/posix_errors.hpp"
 
 namespace glake {
 
@@ -77,37 +78,6 @@ inline void check_host_address(const char* who, const void* at, std::size_t gran
 // The names of the host_call values, in their order.
 inline constexpr const char* host_call_names[] = {"", "memfd_create", "ftruncate", "fallocate", "mmap",
                                                   "mprotect"};
-
-// The symbolic name of an errno value ("EMFILE"), for the values the host backend can meet;
-// "errno N" for the rest.
-inline std::string errno_name(int error) {
-  switch (error) {
-    case EMFILE: return "EMFILE";
-    case ENFILE: return "ENFILE";
-    case ENOMEM: return "ENOMEM";
-    case ENOSPC: return "ENOSPC";
-    case EFBIG: return "EFBIG";
-    case EAGAIN: return "EAGAIN";
-    case EINVAL: return "EINVAL";
-    case EBADF: return "EBADF";
-    case EACCES: return "EACCES";
-    case EPERM: return "EPERM";
-    case ENODEV: return "ENODEV";
-    case EOVERFLOW: return "EOVERFLOW";
-    case EINTR: return "EINTR";
-    case EOPNOTSUPP: return "EOPNOTSUPP";
-    default: return "errno " + std::to_string(error);
-  }
-}
-
-// "Too many open files (EMFILE)".
-inline std::string errno_text(int error) {
-  return std::generic_category().message(error) + " (" + errno_name(error) + ")";
-}
-
-[[noreturn]] inline void throw_errno(const char* call, int error) {
-  throw driver_error(call, error, errno_text(error));
-}
 
 // The errno values that mean "the system is out of something", which the backend reports as an
 // ordinary failure (empty optional, null, false) rather than as a driver_error.

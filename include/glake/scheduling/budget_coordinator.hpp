@@ -26,10 +26,10 @@
 #include <variant>
 #include <vector>
 
-#include "glake/backends/host.hpp"
-#include "glake/detail/unix_listener.hpp"
-#include "glake/detail/unix_socket.hpp"
 #include "glake/errors.hpp"
+#include "glake/ipc/unix_listener.hpp"
+#include "glake/ipc/unix_socket.hpp"
+#include "glake/posix_errors.hpp"
 #include "glake/scheduling/budget_ledger.hpp"
 #include "glake/scheduling/budget_protocol.hpp"
 
@@ -95,7 +95,7 @@ struct budget_coordinator_statistics {
 // the bytes. Malformed messages are answered with bad_message and the connection is closed; a
 // refused release, set_pinned, set_predicted or leave (which are otherwise not answered) gets an
 // error with its request id. Admission and the socket file as the dedup broker's
-// (detail/unix_listener.hpp): options.admit on the peer's credentials, PATH.lock owns the path.
+// (ipc/unix_listener.hpp): options.admit on the peer's credentials, PATH.lock owns the path.
 //
 // Complexity: a message O(log W) for W workloads, plus O(Q + C log C) per poll while Q acquires
 // wait (C connections); each poll O(connections).

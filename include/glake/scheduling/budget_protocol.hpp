@@ -12,7 +12,7 @@
 #include <variant>
 #include <vector>
 
-#include "glake/detail/wire.hpp"
+#include "glake/ipc/wire.hpp"
 #include "glake/scheduling/budget_ledger.hpp"
 
 namespace glake::budget_wire {

@@ -30,9 +30,9 @@
 #include <variant>
 #include <vector>
 
-#include "glake/backends/host.hpp"
-#include "glake/detail/unix_socket.hpp"
 #include "glake/errors.hpp"
+#include "glake/ipc/unix_socket.hpp"
+#include "glake/posix_errors.hpp"
 #include "glake/scheduling/budget.hpp"
 #include "glake/scheduling/budget_protocol.hpp"
 

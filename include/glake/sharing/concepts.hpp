@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <utility>
 
-#include "glake/detail/unix_socket.hpp"
+#include "glake/ipc/unix_socket.hpp"
 
 namespace glake {
 

@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "glake/backends/cuda.hpp"
-#include "glake/detail/unix_socket.hpp"
 #include "glake/errors.hpp"
+#include "glake/ipc/unix_socket.hpp"
 #include "glake/sharing/concepts.hpp"
 #include "glake/sharing/detail/content_hash_ptx.hpp"
 #include "glake/sharing/host_sharing.hpp"

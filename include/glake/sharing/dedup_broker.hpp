@@ -30,10 +30,10 @@
 #include <variant>
 #include <vector>
 
-#include "glake/backends/host.hpp"
-#include "glake/detail/unix_listener.hpp"
-#include "glake/detail/unix_socket.hpp"
 #include "glake/errors.hpp"
+#include "glake/ipc/unix_listener.hpp"
+#include "glake/ipc/unix_socket.hpp"
+#include "glake/posix_errors.hpp"
 #include "glake/sharing/concepts.hpp"
 #include "glake/sharing/dedup_protocol.hpp"
 #include "glake/sharing/host_sharing.hpp"

@@ -12,7 +12,7 @@
 #include <variant>
 #include <vector>
 
-#include "glake/detail/wire.hpp"
+#include "glake/ipc/wire.hpp"
 #include "glake/sharing/concepts.hpp"
 
 namespace glake::dedup {

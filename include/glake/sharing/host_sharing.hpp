@@ -25,8 +25,9 @@
 #include <string>
 
 #include "glake/backends/host.hpp"
-#include "glake/detail/unix_socket.hpp"
 #include "glake/errors.hpp"
+#include "glake/ipc/unix_socket.hpp"
+#include "glake/posix_errors.hpp"
 #include "glake/sharing/concepts.hpp"
 
 namespace glake {

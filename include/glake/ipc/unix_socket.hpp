@@ -3,7 +3,7 @@
 #pragma once
 
 #if !defined(__linux__)
-#error "glake/detail/unix_socket.hpp needs Linux (SOCK_SEQPACKET, SO_PEERCRED, MSG_CMSG_CLOEXEC)"
+#error "glake/ipc/unix_socket.hpp needs Linux (SOCK_SEQPACKET, SO_PEERCRED, MSG_CMSG_CLOEXEC)"
 #endif
 
 #include <fcntl.h>

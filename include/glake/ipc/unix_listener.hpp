@@ -3,7 +3,7 @@
 #pragma once
 
 #if !defined(__linux__)
-#error "glake/detail/unix_listener.hpp needs Linux"
+#error "glake/ipc/unix_listener.hpp needs Linux"
 #endif
 
 #include <fcntl.h>
@@ -23,9 +23,9 @@
 #include <string>
 #include <utility>
 
-#include "glake/backends/host.hpp"
-#include "glake/detail/unix_socket.hpp"
 #include "glake/errors.hpp"
+#include "glake/ipc/unix_socket.hpp"
+#include "glake/posix_errors.hpp"
 
 namespace glake {
 
