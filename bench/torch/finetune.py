@@ -326,10 +326,12 @@ def run_training(args, result, device):
         result["allocator_timing_library"] = path
 
     import transformers
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    from transformers import AutoModelForCausalLM
 
     seq2seq = args.model in SEQ2SEQ_MODELS
-    model_class = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+    model_class = AutoModelForCausalLM
+    if seq2seq:
+        from transformers import AutoModelForSeq2SeqLM as model_class
 
     result.update(torch_version=torch.__version__, transformers_version=transformers.__version__)
     torch.cuda.set_device(device)
