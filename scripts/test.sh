@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Builds and runs all tests, printing each stage's time:
+#   0. compile time: bench/compile_time.sh once (printed, never fails);
 #   1. checked: one RelWithDebInfo build under AddressSanitizer + UBSan (build/checked) and every
-#      test: the doctest suites, tools, examples, the plug-in's Python tests, the package tests,
-#      and RMM's tests where RMM's pip wheels can be installed (see rmm_setup; the RMM test
-#      executable is left unsanitized, as RMM's library is). glake has no assert() of its own, so
-#      a plain Debug build would check nothing this one does not; its misuse checks
-#      (GLAKE_CHECKED) are on in every build type;
+#      test: the doctest suites, tools, examples, the plug-in's Python tests, the package tests.
+#      glake has no assert() of its own, so a plain Debug build would check nothing this one does
+#      not; its misuse checks (GLAKE_CHECKED) are on in every build type;
+#   rmm: RMM's tests, GPU tests, benchmark and example in a Debug build of their own (build/rmm,
+#      unsanitized, as RMM's library is), where RMM's pip wheels can be installed (rmm_setup);
 #   2. tsan: the multi-threaded tests alone under ThreadSanitizer (build/tsan, `ctest -L threads`);
 #   3. fuzz: each fuzz target for FUZZ_SECONDS (default 30) from its committed corpus, after its
 #      committed reproducers (fuzz/run.sh, build/fuzz, Clang).
@@ -146,11 +147,33 @@ echo "=== test.sh: checked build, RelWithDebInfo under AddressSanitizer + UBSan 
 export ASAN_OPTIONS=detect_leaks=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 if configure_and_build build/checked -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-     -DGLAKE_SANITIZE=address,undefined "${rmm_args[@]}" &&
+     -DGLAKE_SANITIZE=address,undefined -DGLAKE_WITH_RMM=OFF &&
    run_ctest build/checked; then
   checked=PASS
 fi
 stage_time "the checked stage" "$t"
+
+# RMM's targets (glake_rmm_tests, the RMM GPU tests, bench_rmm, examples/rmm) in a Debug build of
+# their own: nvcc rejects bench_rmm.cu at -O2 (a __host__ __device__ copy of a shared_ptr inside
+# cuda::mr, a warning made an error), and RMM's library is not sanitized anyway.
+rmm=SKIPPED
+if [[ ${rmm_args[0]} == -DGLAKE_WITH_RMM=ON ]]; then
+  rmm=FAIL
+  t=$SECONDS
+  echo "=== test.sh: RMM's tests and benchmark, Debug (build/rmm) ==="
+  rmm_gen=()
+  [[ -f build/rmm/CMakeCache.txt ]] || rmm_gen=("${generator[@]}")
+  if cmake -S . -B build/rmm "${rmm_gen[@]}" -DCMAKE_BUILD_TYPE=Debug -DGLAKE_SANITIZE= -DGLAKE_WERROR=ON \
+       -DGLAKE_BUILD_TESTS=ON -DGLAKE_BUILD_EXAMPLES=ON -DGLAKE_BUILD_BENCHMARKS=ON -DGLAKE_BUILD_TOOLS=OFF \
+       -DGLAKE_BUILD_INTEGRATIONS=OFF -DGLAKE_INSTALL=OFF "${rmm_args[@]}" >/dev/null &&
+     cmake --build build/rmm -j2 --target glake_rmm_tests glake_gpu_rmm_tests bench_rmm example_rmm_current_resource &&
+     build/rmm/tests/glake_rmm_tests &&
+     { tests/gpu/run_or_skip.sh build/rmm/tests/glake_gpu_rmm_tests; code=$?; ((code == 0 || code == 77)); } &&
+     { tests/gpu/run_or_skip.sh build/rmm/examples/example_rmm_current_resource; code=$?; ((code == 0 || code == 77)); }; then
+    rmm=PASS
+  fi
+  stage_time "the rmm stage" "$t"
+fi
 
 tsan=FAIL
 t=$SECONDS
@@ -178,8 +201,8 @@ fi
 stage_time "the fuzz stage" "$t"
 
 stage_time "everything" "$started"
-stages="checked (ASan+UBSan): $checked, tsan: $tsan, fuzz: $fuzz"
-if [[ $checked == PASS && $tsan == PASS && $fuzz == PASS ]]; then
+stages="checked (ASan+UBSan): $checked, rmm: $rmm, tsan: $tsan, fuzz: $fuzz"
+if [[ $checked == PASS && $rmm != FAIL && $tsan == PASS && $fuzz == PASS ]]; then
   echo "test.sh: ALL PASSED ($stages)"
 else
   echo "test.sh: FAILED ($stages)"
