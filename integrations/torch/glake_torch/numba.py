@@ -25,17 +25,19 @@ _library = None  # the plug-in's path, as use() was given it (None: glake_torch.
 
 def _device_pointer(value):
     """The pointer as the binding Numba's driver uses: cuda.bindings' CUdeviceptr, or a ctypes
-    c_uint64 where Numba runs over its ctypes binding."""
+    c_uint64 where Numba runs over its ctypes binding (older Numba, NUMBA_CUDA_USE_NVIDIA_BINDING=0)."""
+    if not getattr(_driver, "USE_NV_BINDING", True):
+        return ctypes.c_uint64(value)
     binding = getattr(_driver, "binding", None)
-    if binding is not None and getattr(_driver, "USE_NV_BINDING", True):
-        return binding.CUdeviceptr(value)
-    return ctypes.c_uint64(value)
+    if binding is None:
+        from cuda.bindings import driver as binding
+    return binding.CUdeviceptr(value)
 
 
 def _driver_memory_info():
     """(free, total) bytes of the current context's device, from cuMemGetInfo."""
     get = _driver.driver.cuMemGetInfo
-    if getattr(_driver, "USE_NV_BINDING", True) and getattr(_driver, "binding", None) is not None:
+    if getattr(_driver, "USE_NV_BINDING", True):  # Numba's wrapper returns the values
         free, total = get()
     else:
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
@@ -54,13 +56,12 @@ def _finalizer(free, ptr, size, device):
 class GlakeNumbaManager(_numba.HostOnlyCUDAMemoryManager):
     """Numba's EMM interface (version 1) over glake; one per Numba context (device)."""
 
-    def initialize(self):
-        self._lib = _arrays.library(_library)
-        self._device = self.context.device.id
-
-    def _ready(self):
+    def initialize(self):  # at every push of the context: once is enough
         if getattr(self, "_lib", None) is None:
-            self.initialize()
+            self._lib = _arrays.library(_library)
+            self._device = self.context.device.id
+
+    _ready = initialize
 
     def memalloc(self, size):
         self._ready()

@@ -13,6 +13,7 @@ Run: ctest -R torch_plugin.python (with the other Python tests), or
 
 import collections
 import contextlib
+import ctypes
 import gc
 import importlib
 import os
@@ -364,6 +365,20 @@ class NumbaTest(unittest.TestCase):
     def test_ipc_is_refused_with_the_reason(self):
         with self.assertRaisesRegex(NotImplementedError, "cuMemMap"):
             self.manager.get_ipc_handle(self.manager.memalloc(MiB))
+
+    def test_numba_over_its_ctypes_binding_gets_ctypes_pointers(self):
+        driver = sys.modules["numba.cuda.cudadrv.driver"]
+        driver.USE_NV_BINDING = False
+
+        def mem_get_info(free, total):
+            free._obj.value, total._obj.value = self.state.device_free, self.state.device_total
+
+        driver.driver = types.SimpleNamespace(cuMemGetInfo=mem_get_info)
+        m = self.manager.memalloc(MiB)
+        self.assertIsInstance(m.device_pointer, ctypes.c_uint64)
+        self.assertEqual(m.device_pointer.value, self.lib.calls[0][4])
+        self.assertEqual(self.manager.get_memory_info().total, self.state.device_total)
+        m.free()
 
     def test_the_environment_variable_and_use_find_the_manager(self):
         module = importlib.import_module("glake_torch.numba")
