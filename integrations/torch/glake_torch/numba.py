@@ -19,7 +19,7 @@ import ctypes
 from . import _arrays
 
 _numba = _arrays.require("numba.cuda", "numba-cuda", "glake_torch.numba")
-_driver = _numba.cudadrv.driver
+_driver = _arrays.require("numba.cuda.cudadrv.driver", "numba-cuda", "glake_torch.numba")
 _library = None  # the plug-in's path, as use() was given it (None: glake_torch.load's search)
 
 
