@@ -1305,3 +1305,7 @@ class Scheduler:
             self.close()
         except Exception:
             pass
+
+# CuPy, Numba and RMM allocating through glake (glake_torch/cupy.py, numba.py, rmm.py; none needs torch).
+from ._arrays import *  # noqa: E402,F401,F403
+__all__ += _arrays.__all__  # noqa: F405
