@@ -151,6 +151,21 @@ def resnet_infer(torch, steps):
     return step, lambda: [round(float(v), 2) for v in sums[:4]]
 
 
+def glake_counters(allocator):
+    """glake's cumulative driver calls and their host ns, plus its allocation calls' host time when
+    GLAKE_HOST_TIMING was set: {} for the other allocators."""
+    if allocator != "glake":
+        return {}
+    import glake_torch
+
+    s = glake_torch.stats()
+    out = {"glake_driver_calls": s["driver_calls"], "glake_driver_ns": s["driver_ns"]}
+    host = glake_torch.host_time()
+    if host is not None:
+        out.update(glake_host_ns=host["ns"], glake_host_calls=host["calls"])
+    return out
+
+
 def child(args):
     result = dict(workload=args.workload, allocator=args.allocator, steps=args.steps, round=args.round)
     if args.allocator == "glake":
@@ -173,6 +188,8 @@ def child(args):
             step(i)
         torch.cuda.synchronize()
         result["warmup_s"] = round(time.perf_counter() - t0, 2)
+        counts_before = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+        glake_before = glake_counters(args.allocator)
         times = []
         for i in range(args.steps):
             torch.cuda.synchronize()
@@ -182,6 +199,13 @@ def child(args):
             times.append(time.perf_counter() - t)
         times.sort()
         free_end, _ = torch.cuda.mem_get_info()
+        # Per timed step: allocations (every allocator), and under glake its driver calls and,
+        # with GLAKE_HOST_TIMING=1, the host time of its allocation calls.
+        result["allocations_per_step"] = round(
+            (torch.cuda.memory_stats().get("allocation.all.allocated", 0) - counts_before) / args.steps, 1)
+        glake_after = glake_counters(args.allocator)
+        for key in glake_after:
+            result[key + "_per_step"] = round((glake_after[key] - glake_before[key]) / args.steps, 1)
         result.update(
             status="ok", median_ms=round(1000 * statistics.median(times), 3),
             p10_ms=round(1000 * times[len(times) // 10], 3), p90_ms=round(1000 * times[(9 * len(times)) // 10], 3),
