@@ -356,7 +356,7 @@ TEST_CASE("dedup: protocol messages round-trip and malformed ones are refused") 
   CHECK(std::holds_alternative<dd::parse_error>(dd::parse_reply(dd::encode(dd::published_reply{9, dd::outcome::shared}, 3), 0)));
   CHECK(std::holds_alternative<dd::parse_error>(dd::parse_reply(dd::encode(dd::published_reply{9, dd::outcome::stored}, 3), 1)));
   auto cut = dd::encode(dd::error_reply{dd::errc::bad_size, "abcdef"}, 3);
-  cut.resize(cut.size() - 2);
+  cut.erase(cut.end() - 2, cut.end());  // (resize(size() - 2) trips g++ 12's -Wstringop-overflow at -O1)
   std::uint32_t body = static_cast<std::uint32_t>(cut.size() - dd::header_bytes);
   std::memcpy(cut.data() + 12, &body, sizeof body);
   CHECK(std::holds_alternative<dd::parse_error>(dd::parse_reply(cut, 0)));
