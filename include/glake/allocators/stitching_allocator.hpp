@@ -78,9 +78,9 @@ namespace glake {
 /// range while it holds an allocation (segment_map / segment_unmap), and of each free once its
 /// memory is reusable (free_completed; later than the call for a record_stream'd free).
 /// retain_memory(true) keeps every mapping and every byte (for a CUDA graph's private pool).
-/// Offload: with far memory attached (attach_far_memory), offload(p) moves a live large
-/// allocation's whole handles to far memory and prefetch(p) brings them back, the pointer
-/// unchanged (docs/offload.md, "Allocator blocks").
+/// Offload: with far memory attached, offload(p) / prefetch(p) move a live large allocation's
+/// whole handles to far memory and back, the pointer unchanged: offload_ (stitching_offload) finds
+/// and checks them, mover_ (allocation_mover) moves them (docs/offload.md, "Allocator blocks").
 template <physical_provider Provider, address_reserver_for<Provider> Reserver,
           stitching_strategy Stitch = best_fit_tail_stitching, eviction_policy Evict = lru_eviction,
           lock_policy Lock = no_lock, stitch_admission Admission = gmlake_admission,
