@@ -98,7 +98,7 @@ TEST_CASE("segment release: fully free segments go back oldest first until the b
   CHECK(p.device.violations() == 0);
 }
 
-TEST_CASE("segment release: while retained nothing goes back; afterwards it does") {
+TEST_CASE("segment release: while retained nothing goes back, afterwards it does") {
   parts p(1024 * M);
   REQUIRE(p.pool.add_segment(4 * M, A) != nullptr);
   p.release.retain(true);
@@ -112,7 +112,7 @@ TEST_CASE("segment release: while retained nothing goes back; afterwards it does
   CHECK(p.device.physical_bytes() == 0);
 }
 
-TEST_CASE("allocation ladder: a free block of the stream first; else the rungs in order until one serves") {
+TEST_CASE("allocation ladder: a free block of the stream first, else the rungs in order until one serves") {
   parts p(16 * M);
   auto* parked = p.pool.add_segment(8 * M, A);
   REQUIRE(parked != nullptr);
