@@ -13,6 +13,8 @@
 #include <utility>
 #include <vector>
 
+#include "glake/detail/printable.hpp"
+
 namespace glake::tools {
 
 /// A command line the tool cannot run: what is wrong, naming the option or argument.
@@ -149,10 +151,11 @@ class arg_parser {
   }
 
   /// A command line found wrong after parsing (a missing option, two that exclude each other):
-  /// said as parse_or_exit says a usage_error, exit status 2.
+  /// said as parse_or_exit says a usage_error (control characters escaped: the message quotes the
+  /// command line), exit status 2.
   [[noreturn]] void fail(const std::string& message) const {
-    std::fprintf(stderr, "%s: %s\nTry '%s --help' for more information.\n", program_.c_str(), message.c_str(),
-                 program_.c_str());
+    std::fprintf(stderr, "%s: %s\nTry '%s --help' for more information.\n", program_.c_str(),
+                 glake::detail::printable(message).c_str(), program_.c_str());
     std::exit(2);
   }
 
