@@ -106,7 +106,7 @@ glake::tools::arg_parser make_parser(options& o) {
       .option("--snapshot", "DIR",
               "write DIR/<trace>.<configuration>.json: the memory snapshot at the end\n"
               "and the history before it, as torch.cuda.memory._snapshot() gives them\n"
-              "(docs/replay.md: to a pickle for pytorch.org/memory_viz)",
+              "(tools/README.md: to a pickle for pytorch.org/memory_viz)",
               o.snapshot_dir)
       .option("--snapshot-entries", "N", "history entries kept per snapshot, the newest (default 100000)",
               [&o](const std::string& v) { o.snapshot_entries = parse_count(v); })
