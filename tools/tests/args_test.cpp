@@ -102,7 +102,7 @@ TEST_CASE("args: errors name the option or the argument") {
   CHECK(error_of({"a"}) == "(accepted)");
 }
 
-TEST_CASE("args: a surplus positional argument is refused; an optional one may be missing") {
+TEST_CASE("args: a surplus positional argument is refused, an optional one may be missing") {
   std::string first;
   arg_parser a("tool", "1", "tool [NAME]", "");
   a.positional("NAME", "", [&first](const std::string& v) { first = v; }, false);
@@ -139,7 +139,7 @@ TEST_CASE("args: the help lists every declaration with its help, aligned") {
         "      --version      print the version and exit\n");
 }
 
-TEST_CASE("args: a long option's help starts on the next line; synopsis lines are indented") {
+TEST_CASE("args: a long option's help starts on the next line, synopsis lines are indented") {
   arg_parser a("tool", "1", "tool --socket PATH\ntool --stats", "");
   a.option("--max-client-bytes", "SIZE", "at most SIZE bytes", [](const std::string&) {});
   const std::string help = a.help();

@@ -4,7 +4,7 @@ gives ("segments", "device_traces"), converts to a pickle as docs/replay.md says
 itself: the allocations the history leaves live are the allocated blocks of the segments, the
 segments the history leaves are the segments shown, and every segment's blocks tile it (as
 torch/cuda/_memory_viz.py's segsum asserts). A configuration that shows no segments has its
-allocations' history only.
+allocations' history only. With --quiet nothing goes to stderr.
   replay_snapshot_check.py GLAKE_REPLAY TRACE
 """
 import gzip
@@ -62,8 +62,9 @@ def main(argv):
     with gzip.open(trace, "rt") as f:
         allocations = sum(1 for line in f if line.startswith("a,") and line.rstrip().split(",")[2] != "0")
     with tempfile.TemporaryDirectory() as out:
-        subprocess.run([replay, "--quiet", "--snapshot", out, "--snapshot-entries", "10000000", str(trace)],
-                       check=True, stdout=subprocess.DEVNULL)
+        run = subprocess.run([replay, "--quiet", "--snapshot", out, "--snapshot-entries", "10000000", str(trace)],
+                             check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        assert run.stderr == "", run.stderr  # --quiet: no progress, no "wrote" lines
         files = sorted(Path(out).glob("*.json"))
         names = [f.name for f in files]
         assert len(files) == 4, names
