@@ -67,14 +67,18 @@ class arg_parser {
     return option(names, std::move(metavar), std::move(help), [&target](const std::string& v) { target = v; });
   }
 
-  /// A positional argument, in declaration order; a `repeated` one takes every argument left (it
-  /// must come last). `required`: parse() fails when it is missing.
+  /// How often a positional argument occurs: `one_or_more` takes every argument left, so it comes
+  /// last; parse() fails when a `once` or `one_or_more` one is missing.
+  enum class occurs { once, optional, one_or_more };
+
+  /// A positional argument, in declaration order.
   arg_parser& positional(std::string metavar, std::string help, std::function<void(const std::string&)> take,
-                         bool required = true, bool repeated = false) {
+                         occurs how = occurs::once) {
     if (!positionals_.empty() && positionals_.back().repeated) {
-      throw std::logic_error("arg_parser: a positional argument after a repeated one");
+      throw std::logic_error("arg_parser: a positional argument after one that takes every argument left");
     }
-    positionals_.push_back({std::move(metavar), std::move(help), std::move(take), required, repeated});
+    positionals_.push_back({std::move(metavar), std::move(help), std::move(take), how != occurs::optional,
+                            how == occurs::one_or_more});
     return *this;
   }
 

@@ -41,12 +41,13 @@ int print_stats(const std::string& path, bool json) {
     return 1;
   }
   if (json) {
-    std::printf("{\"budget\":%" PRIu64 ",\"used\":%" PRIu64 ",\"workloads\":%" PRIu32 ",\"lines\":[", s->budget, s->used,
-                s->workloads);
+    std::printf("{\"budget\":%" PRIu64 ",\"used\":%" PRIu64 ",\"workloads\":%" PRIu32 ",\"lines\":[", s->budget,
+                s->used, s->workloads);
     bool first = true;
     for (const auto& w : s->lines) {
-      std::printf("%s{\"id\":%" PRIu32 ",\"name\":\"%s\",\"held\":%zu,\"pinned\":%zu,\"predicted\":%zu}", first ? "" : ",",
-                  w.id, glake::tools::json_escape(w.name).c_str(), w.held, w.pinned, w.predicted);
+      std::printf("%s{\"id\":%" PRIu32 ",\"name\":\"%s\",\"held\":%zu,\"pinned\":%zu,\"predicted\":%zu}",
+                  first ? "" : ",", w.id, glake::tools::json_escape(glake::detail::printable(w.name)).c_str(), w.held,
+                  w.pinned, w.predicted);
       first = false;
     }
     std::printf("]}\n");

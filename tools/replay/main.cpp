@@ -79,7 +79,9 @@ glake::tools::arg_parser make_parser(options& o) {
       "Replays allocation traces (a,<id>,<bytes>,<stream> / f,<id> / S,<bytes> / U,<bytes>; gzip or plain)\n"
       "through named allocator configurations on a simulated GPU, in trace order, honouring streams.");
   using glake::tools::usage_error;
-  args.positional("TRACE", "a trace file, gzip or plain (traces/README.md)", [&o](const std::string& v) { o.traces.push_back(v); }, true, true)
+  args.positional("TRACE", "a trace file, gzip or plain (traces/README.md)",
+                  [&o](const std::string& v) { o.traces.push_back(v); },
+                  glake::tools::arg_parser::occurs::one_or_more)
       .option("-a, --allocators", "LIST", "comma-separated configurations (default: all); see --list",
               [&o](const std::string& list) {
                 for (std::size_t start = 0; start <= list.size();) {

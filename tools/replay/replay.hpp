@@ -184,7 +184,9 @@ inline replay_result detail::replay_events(const trace& t, const configuration& 
       const auto it = live.find(e.id);
       if (it != live.end()) {
         const auto address = reinterpret_cast<std::uintptr_t>(it->second);
-        if (snapshot != nullptr) snapshot->history.record(memory_action::free_requested, address, e.bytes, stream_ref{e.stream});
+        if (snapshot != nullptr) {
+          snapshot->history.record(memory_action::free_requested, address, e.bytes, stream_ref{e.stream});
+        }
         allocator->deallocate(it->second, e.bytes, stream_ref{e.stream});
         if (snapshot != nullptr && !snapshot->observed) {
           snapshot->history.record(memory_action::free_completed, address, e.bytes, stream_ref{e.stream});

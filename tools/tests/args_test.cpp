@@ -41,7 +41,8 @@ arg_parser make_parser(parsed& p) {
         }
         p.order.push_back("count=" + v);
       })
-      .positional("FILE", "files to read", [&p](const std::string& v) { p.files.push_back(v); }, true, true);
+      .positional("FILE", "files to read", [&p](const std::string& v) { p.files.push_back(v); },
+                  arg_parser::occurs::one_or_more);
   return a;
 }
 
@@ -105,7 +106,7 @@ TEST_CASE("args: errors name the option or the argument") {
 TEST_CASE("args: a surplus positional argument is refused, an optional one may be missing") {
   std::string first;
   arg_parser a("tool", "1", "tool [NAME]", "");
-  a.positional("NAME", "", [&first](const std::string& v) { first = v; }, false);
+  a.positional("NAME", "", [&first](const std::string& v) { first = v; }, arg_parser::occurs::optional);
   const char* none[] = {"tool"};
   CHECK(a.parse(1, none) == arg_parser::outcome::run);
   CHECK(first.empty());
@@ -152,6 +153,6 @@ TEST_CASE("args: a declaration that is not an option name is a programming error
   arg_parser a("tool", "1", "tool", "");
   CHECK_THROWS_AS(a.flag("quiet", "", [] {}), std::logic_error);
   CHECK_THROWS_AS(a.flag("-quiet", "", [] {}), std::logic_error);
-  a.positional("FILES", "", [](const std::string&) {}, false, true);
+  a.positional("FILES", "", [](const std::string&) {}, arg_parser::occurs::one_or_more);
   CHECK_THROWS_AS(a.positional("MORE", "", [](const std::string&) {}), std::logic_error);
 }
