@@ -35,7 +35,8 @@ wait "$pid"
 # Nothing the broker did not make is replaced or removed; errors name the path.
 echo notes >"$dir/notes.txt"
 if "$tool" --socket "$dir/notes.txt" 2>"$dir/notes.err"; then echo "served on a regular file"; exit 1; fi
-grep -q "$dir/notes.txt" "$dir/notes.err" || { echo "error: $(cat "$dir/notes.err")"; exit 1; }
+grep -qx "glake-dedup: $dir/notes.txt exists and is not a socket; not replacing it (give another --socket path)" \
+  "$dir/notes.err" || { echo "error: $(cat "$dir/notes.err")"; exit 1; }  # the tool's name once, no "glake: " after it
 [[ $(cat "$dir/notes.txt") == notes ]] || { echo "notes.txt changed"; exit 1; }
 if "$tool" --socket "$dir/missing/b.sock" 2>"$dir/missing.err"; then echo "served in a missing directory"; exit 1; fi
 grep -q "$dir/missing/" "$dir/missing.err" || { echo "error: $(cat "$dir/missing.err")"; exit 1; }
