@@ -491,8 +491,9 @@ class pluggable_allocator {
   }
 
   /// `device`'s private pools (the state machine itself: use counts, captures under way, live
-  /// blocks), or null when the device has no allocator yet.
-  const pools_type* pools(int device) const noexcept {
+  /// blocks), or null when the device has no allocator yet; usage_error for a device id out of
+  /// range.
+  const pools_type* pools(int device) const {
     slot* s = registry_.find(device);
     return s == nullptr ? nullptr : &s->pools;
   }
