@@ -138,12 +138,15 @@ concept graph_pool_host = requires(H& h, const void* p, std::size_t n, stream_re
 // |                      |                    | allocator throws   | of a pool; else q is freed into
 // |                      |                    |                    | its pool (which may go)
 // | p.holds(q)           | bool               | no                 | q is a live block of a pool
+// | p.with_owner(q, h)   | bool               | what h throws      | h(allocator) with the allocator
+// |                      |                    |                    | of q's pool, locked; false (h
+// |                      |                    |                    | not called): no pool holds q
 // | p.use_count(id)      | size_t             | no                 | id's uses; 0 for no such pool
 // | p.capturing(id)      | bool               | no                 | a capture into id is under way
 // | p.live(id)           | vector<void*>      | bad_alloc          | id's live blocks, ascending
 // | p.size()             | size_t             | no                 | pools now (released ones with
 // |                      |                    |                    | live blocks included)
-// | p.stats(id)          | optional<statistics> | no               | id's allocator's statistics
+// | p.stats(id)          | optional<stats...> | no                 | id's allocator's statistics
 // | p.add_stats(st)      | void               | no                 | adds every pool's statistics
 // |                      |                    |                    | (peaks summed) and the counts
 // |                      |                    |                    | of pools gone to st
@@ -155,7 +158,8 @@ concept graph_pool_host = requires(H& h, const void* p, std::size_t n, stream_re
 template <class P>
 concept graph_pooling = requires(P& p, const P& cp, graph_pool_id id, typename P::stream_filter f, void* q,
                                  const void* cq, std::size_t n, stream_ref s, statistics& st,
-                                 void (*g)(graph_pool_id, typename P::allocator_type&)) {
+                                 void (*g)(graph_pool_id, typename P::allocator_type&),
+                                 void (*h)(typename P::allocator_type&)) {
   typename P::allocator_type;
   { p.begin(id, std::move(f)) } -> std::same_as<void>;
   { p.end(id) } -> std::same_as<void>;
@@ -164,6 +168,7 @@ concept graph_pooling = requires(P& p, const P& cp, graph_pool_id id, typename P
   { p.allocate(n, s) } -> std::same_as<void*>;
   { p.deallocate(q, n, s) } -> std::same_as<bool>;
   { cp.holds(cq) } -> std::same_as<bool>;
+  { p.with_owner(cq, h) } -> std::same_as<bool>;
   { cp.use_count(id) } -> std::same_as<std::size_t>;
   { cp.capturing(id) } -> std::same_as<bool>;
   { cp.live(id) } -> std::same_as<std::vector<void*>>;

@@ -618,6 +618,7 @@ class pluggable_allocator {
     std::atomic<std::size_t> lifetime_active{0};
     std::atomic<std::size_t> lifetime_reserved{0};
     pools_type pools;  // CUDA graphs' private pools
+    static_assert(!memory_retaining_allocator<Allocator> || graph_pooling<pools_type>);  // begin needs it
 
     static void raise(std::atomic<std::size_t>& peak, std::size_t value) noexcept {
       std::size_t seen = peak.load(std::memory_order_relaxed);
