@@ -543,6 +543,45 @@ TEST_CASE("pluggable_allocator: private pools serve their capture's stream, keep
   CHECK(plugin.errors() == 0);
 }
 
+TEST_CASE("pluggable_allocator: the peak reserved is the highest general + pools sum, not the sum of their peaks") {
+  sim_devices sim;
+  pool_plugin plugin(sim.factory(), options_for<pool_plugin>(nullptr));
+  // The general allocator's peak first (a model loading), its memory given back ...
+  void* big = plugin.allocate(256 * MiB, 0, default_stream);
+  plugin.deallocate(big, 256 * MiB, 0, default_stream);
+  plugin.release_cached(-1);
+  const std::size_t general_peak = plugin.find(0)->stats().peak_reserved_bytes;
+  REQUIRE(general_peak >= 256 * MiB);
+  CHECK(stats_of(plugin, 0).at("peak_reserved_bytes") == general_peak);
+  // ... then a capture's pool, while the general allocator holds little.
+  void* small = plugin.allocate(MiB, 0, default_stream);
+  REQUIRE(plugin.begin_allocate_to_pool(0, graph_pool, only(capture_stream)));
+  void* in_pool = plugin.allocate(64 * MiB, 0, capture_stream);
+  plugin.end_allocate_to_pool(0, graph_pool);
+  const std::size_t pool_reserved = plugin.pool_stats(0, graph_pool)->reserved_bytes;
+  const std::size_t general_now = plugin.find(0)->stats().reserved_bytes;
+  REQUIRE(general_now + pool_reserved < general_peak);
+  auto s = stats_of(plugin, 0);
+  CHECK(s.at("reserved_bytes") == general_now + pool_reserved);
+  CHECK(s.at("peak_reserved_bytes") == general_peak);  // the sum of peaks would count the pool twice
+  CHECK(s.at("lifetime_peak_reserved_bytes") == general_peak);
+  // The pool grows past the old peak while general memory is held: that sum is the peak.
+  void* more = plugin.allocate(512 * MiB, 0, default_stream);
+  const std::size_t together = plugin.find(0)->stats().reserved_bytes + pool_reserved;
+  CHECK(stats_of(plugin, 0).at("peak_reserved_bytes") == together);
+  // reset_peak: from the sum now.
+  plugin.deallocate(more, 512 * MiB, 0, default_stream);
+  plugin.release_cached(-1);
+  plugin.reset_peak(0);
+  s = stats_of(plugin, 0);
+  CHECK(s.at("peak_reserved_bytes") == s.at("reserved_bytes"));
+  CHECK(s.at("lifetime_peak_reserved_bytes") == together);
+  plugin.deallocate(in_pool, 64 * MiB, 0, capture_stream);
+  plugin.release_pool(0, graph_pool);
+  plugin.deallocate(small, MiB, 0, default_stream);
+  CHECK(plugin.errors() == 0);
+}
+
 TEST_CASE("pluggable_allocator: a pool is shared by captures into it, and released by each") {
   sim_devices sim;
   pool_plugin plugin(sim.factory(), options_for<pool_plugin>(nullptr));

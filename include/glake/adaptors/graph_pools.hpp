@@ -294,9 +294,11 @@ class graph_pools {
       owner_.emplace(reinterpret_cast<std::uintptr_t>(block), p);
     } catch (...) {
       p->allocator->deallocate(block, bytes, stream);
+      recount(p);
       throw;
     }
     ++p->live;
+    recount(p);
     return block;
   }
 
@@ -319,6 +321,7 @@ class graph_pools {
         release_unused(p);
       }
     }
+    if (p->uses != 0 || p->live != 0) recount(p);  // (a retired pool is gone)
     return true;
   }
 
@@ -376,6 +379,9 @@ class graph_pools {
     return p->allocator->stats();
   }
 
+  /// The bytes the pools hold now, as of their last allocation, free or release: one atomic load.
+  std::size_t reserved_bytes() const noexcept { return reserved_.load(std::memory_order_relaxed); }
+
   /// Adds every pool's statistics to `into` (peaks summed: an upper bound of the combined peak)
   /// and the counts of the pools gone. One atomic load while there never were pools.
   void add_stats(statistics& into) const {
@@ -397,9 +403,17 @@ class graph_pools {
   struct pool {
     pool_id id{};
     std::unique_ptr<Allocator> allocator;
-    std::size_t live = 0;  ///< its blocks not yet freed
-    std::size_t uses = 0;  ///< captures begun into it minus releases
+    std::size_t live = 0;      ///< its blocks not yet freed
+    std::size_t uses = 0;      ///< captures begun into it minus releases
+    std::size_t reserved = 0;  ///< its reserved bytes as last counted into reserved_
   };
+
+  // Brings reserved_ up to date with what `p` holds now. Under the lock.
+  void recount(pool* p) noexcept {
+    const std::size_t now = p->allocator->stats().reserved_bytes;
+    reserved_.fetch_add(now - p->reserved, std::memory_order_relaxed);  // modular: a decrease too
+    p->reserved = now;
+  }
   struct capture {
     pool_id pool;
     stream_filter filter;
@@ -420,12 +434,16 @@ class graph_pools {
 
   // A released pool with live blocks keeps only what they need: it stops retaining memory and
   // gives back its free segments (PyTorch's empty_cache does the same for a released pool).
-  void release_unused(pool* p) noexcept { give_back(p, "releasing free memory of "); }
+  void release_unused(pool* p) noexcept {
+    give_back(p, "releasing free memory of ");
+    recount(p);
+  }
 
   // A pool without uses or live blocks: its memory goes back through its own release (so that an
   // observer hears of each segment), its counts stay for add_stats.
   void retire(pool* p) noexcept {
     give_back(p, "releasing ");
+    recount(p);
     detail::accumulate_counts(retired_, p->allocator->stats());
     std::erase_if(pools_, [p](const auto& q) { return q.get() == p; });
     pool_count_.store(pools_.size(), std::memory_order_release);
@@ -452,6 +470,7 @@ class graph_pools {
   std::atomic<std::size_t> pool_count_{0};
   std::atomic<std::size_t> capture_count_{0};
   std::atomic<bool> had_pools_{false};  // pools, or counts of pools gone, for add_stats
+  std::atomic<std::size_t> reserved_{0};  // the pools' reserved bytes (pool::reserved summed)
 };
 
 namespace detail {

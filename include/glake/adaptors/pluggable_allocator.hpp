@@ -82,8 +82,9 @@ struct no_device_scope {
 /// are freed. A pool out of memory has the general allocator's cached memory released and tries
 /// once more. While a device has pools, each free and record_stream there takes one mutex and
 /// one hash lookup more; without pools, one atomic load. Statistics are the sums over the
-/// general allocator and the pools (peaks summed: an upper bound of the combined peak); the
-/// counts of pools given back stay in them. The memory limit applies to the general allocator
+/// general allocator and the pools, except the peak reserved: the highest general + pools sum seen
+/// (sampled after each allocation while pools hold memory), not the sum of peaks that came at
+/// different times; the counts of pools given back stay in them. The memory limit applies to the general allocator
 /// only.
 ///
 /// Memory history (record_history; off by default, then one atomic load per call): per device,
@@ -167,6 +168,7 @@ class pluggable_allocator {
       s = &registry_.for_device(device);
       if (void* p = s->pools.allocate(bytes, stream)) {
         note(*s, memory_action::alloc, p, bytes, stream);
+        sample_combined(*s);
         return p;
       }
       void* p = s->allocator->allocate(bytes, stream);
@@ -420,9 +422,11 @@ class pluggable_allocator {
   void reset_peak(int device) noexcept {
     each_device(device, "resetting peaks", [](slot& s) {
       statistics before = s.allocator->reset_peaks();
+      const std::size_t general_peak = before.peak_reserved_bytes;
       s.pools.for_each([&](pool_id, Allocator& pool) { detail::accumulate(before, pool.reset_peaks()); });
       slot::raise(s.lifetime_active, before.peak_active_bytes);
-      slot::raise(s.lifetime_reserved, before.peak_reserved_bytes);
+      slot::raise(s.lifetime_reserved, combined_peak(s, general_peak, before));
+      s.combined_peak.store(s.allocator->reserved_bytes() + s.pools.reserved_bytes(), std::memory_order_relaxed);
     });
   }
 
@@ -617,6 +621,9 @@ class pluggable_allocator {
     // The highest peaks seen before the last reset_peak (the allocator's own restart there).
     std::atomic<std::size_t> lifetime_active{0};
     std::atomic<std::size_t> lifetime_reserved{0};
+    // The highest general + pools reserved bytes seen since the last reset_peak, sampled after
+    // each allocation while the pools hold memory (see combined_peak).
+    std::atomic<std::size_t> combined_peak{0};
     pools_type pools;  // CUDA graphs' private pools
     static_assert(!memory_retaining_allocator<Allocator> || graph_pooling<pools_type>);  // begin needs it
 
@@ -665,8 +672,31 @@ class pluggable_allocator {
 
   statistics combined_stats(const slot& s) const {
     statistics st = s.allocator->stats();
+    const std::size_t general_peak = st.peak_reserved_bytes;
     s.pools.add_stats(st);
+    st.peak_reserved_bytes = combined_peak(s, general_peak, st);
     return st;
+  }
+
+  // The peak of general + pools reserved bytes. The sum of the allocators' own peaks bounds it
+  // from above but counts memory twice when the peaks came at different times (the general
+  // allocator's while a model loads, a graph's pool's during its capture): reported instead is
+  // the highest of the general allocator's exact peak, the sum sampled after each allocation
+  // while the pools held memory, and the sum now. Without pools it is the general peak, exact.
+  static std::size_t combined_peak(const slot& s, std::size_t general_peak, const statistics& summed) noexcept {
+    if (summed.peak_reserved_bytes == general_peak) return general_peak;  // no pool held memory
+    return std::min(summed.peak_reserved_bytes,
+                    std::max({general_peak, s.combined_peak.load(std::memory_order_relaxed), summed.reserved_bytes}));
+  }
+
+  // While the pools hold memory: raises the slot's combined peak to general + pools now.
+  static void sample_combined(slot& s) noexcept {
+    if (const std::size_t pools = s.pools.reserved_bytes(); pools != 0) {
+      try {
+        slot::raise(s.combined_peak, s.allocator->reserved_bytes() + pools);
+      } catch (...) {  // a lock that failed: this sample is lost, the peak stays a lower bound
+      }
+    }
   }
 
   // ------------------------------------------------------------------ history
@@ -704,6 +734,7 @@ class pluggable_allocator {
   // The trace, once memory was handed out: failures here must not lose it.
   void after_allocate(slot& s, void* p, std::size_t bytes, stream_ref stream) noexcept {
     note(s, memory_action::alloc, p, bytes, stream);
+    sample_combined(s);
     try {
       if (s.trace) s.trace->allocated(p, bytes, stream, s.allocator->reserved_bytes());
     } catch (const std::exception& e) {
