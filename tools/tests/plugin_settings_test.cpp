@@ -10,7 +10,7 @@
 
 using namespace glake;
 
-TEST_CASE("plug-in settings: the defaults are glake-replay's glake configuration; the environment wins") {
+TEST_CASE("plug-in settings: the defaults are glake-replay's glake configuration and the environment wins") {
   std::map<std::string, std::string> env;
   const auto getenv = [&](const char* name) -> const char* {
     const auto it = env.find(name);

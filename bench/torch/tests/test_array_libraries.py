@@ -47,7 +47,12 @@ class ArrayLibrariesTest(unittest.TestCase):
         self.assertEqual(set(self.runs), {("cupy", "own"), ("cupy", "glake"), ("rmm", "own"), ("rmm", "glake")})
         self.assertTrue(all(r["ok"] for r in self.runs.values()), self.runs)
         self.assertEqual(self.report["problems"], [])
-        self.assertIn("| cupy | matmul + FFT loop | glake |", self.report["markdown"])
+        # Two rounds (the default), the order alternating: own first, then glake first.
+        self.assertEqual([(r["library"], r["allocator"], r["round"]) for r in self.report["runs"]],
+                         [(lib, alloc, r) for lib in ("cupy", "rmm")
+                          for r, order in ((0, ("own", "glake")), (1, ("glake", "own"))) for alloc in order])
+        self.assertIn("| cupy | matmul + FFT loop | 0 | glake |", self.report["markdown"])
+        self.assertIn("| cupy | matmul + FFT loop | 1 | glake |", self.report["markdown"])
 
     def test_glake_served_every_request_and_got_every_block_back(self):
         for library in ("cupy", "rmm"):
