@@ -32,6 +32,9 @@ struct free_breakdown {
   std::size_t whole_handles = 0;
   std::size_t partial_handles = 0;
   std::size_t small_pool = 0;
+  std::size_t partial_at_segment_end = 0;  ///< of partial_handles: in a block ending its segment
+  std::size_t block_rounding = 0;          ///< live blocks' bytes beyond their requests
+  std::size_t stitched_tails = 0;          ///< live stitched ranges' bytes beyond their requests
 };
 
 /// A configuration behind one interface, owning the simulated device it runs on.
@@ -66,10 +69,12 @@ class replayable_allocator final : public replayable {
   std::optional<free_breakdown> free_memory() const override {
     if constexpr (requires { allocator_.free_memory(); }) {
       const auto r = allocator_.free_memory();
-      return free_breakdown{r.whole_handles, r.partial_handles, r.small_pool};
+      return free_breakdown{r.whole_handles, r.partial_handles, r.small_pool, r.partial_at_segment_end,
+                            r.block_rounding, r.stitched_tails};
     } else if constexpr (requires { allocator_.large().free_memory(); }) {
       const auto r = const_cast<Allocator&>(allocator_).large().free_memory();
-      return free_breakdown{r.whole_handles, r.partial_handles, r.small_pool};
+      return free_breakdown{r.whole_handles, r.partial_handles, r.small_pool, r.partial_at_segment_end,
+                            r.block_rounding, r.stitched_tails};
     } else {
       return std::nullopt;
     }

@@ -575,21 +575,37 @@ class stitching_allocator {
 
   /// Where free memory sits, for diagnosing fragmentation: bytes of free blocks in the large pool
   /// that are whole handles (stitchable), bytes of free blocks inside partly used handles (usable
-  /// only in place), and bytes of the small pool's borrowed blocks that are free. O(blocks).
+  /// only in place), and bytes of the small pool's borrowed blocks that are free. Also where the
+  /// partly used handles' free bytes sit (`partial_at_segment_end`: in a free block that ends its
+  /// segment) and what live allocations hold beyond their requests (`block_rounding`: blocks
+  /// rounded to large_round_to; `stitched_tails`: stitched ranges claim whole chunks).
+  /// O(blocks + stitched ranges).
   struct free_memory_report {
     std::size_t whole_handles = 0;
     std::size_t partial_handles = 0;
     std::size_t small_pool = 0;
+    std::size_t partial_at_segment_end = 0;
+    std::size_t block_rounding = 0;
+    std::size_t stitched_tails = 0;
   };
   free_memory_report free_memory() const {
     std::lock_guard guard(lock_);
     free_memory_report r;
     pool_.arena().for_each_block([&](const block_type& b) {
-      if (!b.free) return;
+      if (!b.free) {
+        if (b.owner == nullptr) r.block_rounding += b.size - b.requested;
+        return;
+      }
       const std::size_t whole = pool_.whole_handles_of(const_cast<block_type&>(b)).size;
       r.whole_handles += whole;
       r.partial_handles += b.size - whole;
+      if (b.end() == b.segment->mapping.base + b.segment->mapping.size) r.partial_at_segment_end += b.size - whole;
     });
+    if constexpr (stitches) {
+      for (const stitched& s : stitcher_.cache()) {
+        if (s.live) r.stitched_tails += s.claimed_bytes - s.requested;
+      }
+    }
     r.small_pool = small_.stats_unlocked().reserved_bytes - small_.stats_unlocked().allocated_bytes;
     return r;
   }
