@@ -716,13 +716,14 @@ class stitching_allocator {
         &self::reuse_cached_stitch, &self::adopt_one_block, &self::repair_cached_stitch,
         // Rung 0: nothing reclaimed.
         &self::template new_stitch_on<0>, &self::reclaim_small_pool, &self::gather_other_streams,
-        &self::wait_for_other_streams, &self::grow_shortfall, &self::new_segment,
+        &self::wait_for_other_streams, &self::grow_in_place, &self::grow_shortfall, &self::new_segment,
         // Rung 1: deferred frees, then cached ranges and free segments for the request.
         &self::template new_stitch_on<1>, &self::finish_deferred_frees, &self::finish_pending_moves,
         &self::release_for_request,
-        &self::grow_shortfall, &self::new_segment,
+        &self::grow_in_place, &self::grow_shortfall, &self::new_segment,
         // Rung 2: everything free released.
-        &self::template new_stitch_on<2>, &self::release_all_free, &self::grow_shortfall, &self::new_segment>(r);
+        &self::template new_stitch_on<2>, &self::release_all_free, &self::grow_in_place, &self::grow_shortfall,
+        &self::new_segment>(r);
   }
   template <auto... Steps>
   void* first_of(const request& r) {
@@ -773,6 +774,34 @@ class stitching_allocator {
     if (!r.may_stitch || !admission_.grow_shortfall()) return nullptr;
     if (void* p = repair(r, true)) return p;
     return stitch(r, true);
+  }
+  // New memory mapped after the end of the stream's growing segment, so that its free last
+  // block (often the tail of a handle partly in use) starts the request; or a new growing
+  // segment. Only with a Growth that reserves room for segments (segment_growth_policy), and
+  // only when a stitch with growth would not make less new memory (grow_shortfall then runs).
+  void* grow_in_place(const request& r) {
+    if constexpr (segment_growth_policy<Growth>) {
+      // Never more address space than the device could ever fill.
+      const std::size_t ceiling = pool_.backend().capacity() / pool_.chunk() * pool_.chunk();
+      const std::size_t reserve = std::min(pool_.growth().segment_reservation(r.span), ceiling);
+      if (reserve <= r.span) return nullptr;
+      // Extending moves a segment's slots, which moved allocations point to.
+      if (mover_.busy() != 0) return nullptr;
+      std::size_t need = r.span;
+      segment* s = pool_.growing(r.stream);
+      if (s != nullptr) {
+        const block_type* last = pool_.arena().containing(s->mapping.base + s->mapping.size - 1);
+        const std::size_t have = last->free && last->stream == r.stream ? std::min(last->size, r.size) : 0;
+        need = detail::round_up(r.size - have, pool_.chunk());
+        if (need > s->mapping.room()) s = nullptr;
+      }
+      if constexpr (stitches) {
+        if (r.may_stitch && admission_.grow_shortfall() && stitcher_.shortfall(r.span, r.stream) < need) return nullptr;
+      }
+      block_type* b = s != nullptr ? pool_.extend(s, need, r.stream) : pool_.add_segment(r.span, r.stream, reserve);
+      return b == nullptr ? nullptr : hand_out(b, r.size, r.bytes);
+    }
+    return nullptr;
   }
   void* new_segment(const request& r) {
     block_type* b = pool_.add_segment(r.span, r.stream);
@@ -1003,6 +1032,73 @@ class stitching_allocator {
     }
     for (segment* s : pinned_) pool_.requeue(s);
     pinned_.clear();
+    if (released < bytes) released += release_inside_segments(bytes - released, wait, synchronized);
+    return released;
+  }
+
+  // The whole free handles inside segments that grow in place (a stream's segment is seldom
+  // fully free): each run is split off into a segment of its own and released, highest address
+  // first, until `bytes` are. Skipped: runs a live stitched range maps; without `wait`, runs
+  // whose free may still be used by queued work or that a cached range maps; everything while an
+  // allocation is moved (moves point into segments' handles). O(blocks + runs x ranges).
+  std::size_t release_inside_segments(std::size_t bytes, bool wait, bool synchronized) noexcept {
+    if (pool_.growable_segments() == 0 || mover_.busy() != 0) return 0;
+    struct run {
+      segment* home;
+      std::size_t lo, hi;
+    };
+    std::vector<run> runs;
+    try {
+      pool_.arena().for_each_block([&](const block_type& b) {
+        if (!b.free || !pool_type::grows(*b.segment) || b.size < pool_.chunk()) return;
+        const auto c = pool_.whole_handles_of(const_cast<block_type&>(b));
+        if (c.size == 0 || c.size == b.segment->mapping.size) return;  // a whole free segment went above
+        if constexpr (has_events) {
+          if (!wait && !clocks_.completed(b.stream, b.free_mark)) return;
+        }
+        if constexpr (stitches) {
+          if (stitcher_.live_maps(b.segment, c.offset, c.offset + c.size, nullptr)) return;
+          if (!wait && stitcher_.cached_maps(b.segment, c.offset, c.offset + c.size)) return;
+        }
+        runs.push_back(run{b.segment, c.offset, c.offset + c.size});
+      });
+    } catch (...) {
+      return 0;  // out of host memory: nothing released
+    }
+    std::size_t released = 0;
+    for (auto it = runs.rbegin(); it != runs.rend() && released < bytes; ++it) {
+      block_type* taken = nullptr;
+      std::uint64_t mark = 0;
+      try {
+        segment* home = it->home;
+        if constexpr (stitches) stitcher_.drop_mapping(home, it->lo, it->hi);
+        if constexpr (has_events) {
+          if (wait && !synchronized) clocks_.synchronize_all();
+          synchronized = true;
+        }
+        pool_.arena().reserve_nodes(2);
+        block_type* b = pool_.arena().containing(home->mapping.base + it->lo);
+        mark = b->free_mark;
+        pool_.leave_free_queue(b);
+        taken = pool_.arena().carve(b, home->mapping.base + it->lo, it->hi - it->lo);
+        if (it->hi < home->mapping.size) {
+          segment* after = pool_.split(home, it->hi);
+          if constexpr (stitches) stitcher_.rehome(home, after, it->hi);
+        }
+        segment* middle = home;
+        if (it->lo > 0) {
+          middle = pool_.split(home, it->lo);
+          if constexpr (stitches) stitcher_.rehome(home, middle, it->lo);
+        }
+        pool_.enter_free_queue(pool_.arena().give_back(std::exchange(taken, nullptr), mark));
+        released += middle->mapping.size;
+        pool_.drop_segment(middle);
+      } catch (...) {
+        // Out of host memory: the run goes back to the free blocks; what was released stays so.
+        if (taken != nullptr) pool_.enter_free_queue(pool_.arena().give_back(taken, mark));
+        break;
+      }
+    }
     return released;
   }
 
