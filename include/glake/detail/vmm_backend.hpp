@@ -40,6 +40,8 @@ struct mapped_segment {
   std::size_t count = 0;
   std::unique_ptr<handle_slot<Handle>[]> slots;
   std::size_t reserved = 0;  ///< address space at base (at least size): room to grow in place
+  std::size_t capacity = 0;  ///< slots allocated (at least count): a growing segment's slots grow
+                             ///< geometrically, not by a copy per growth
 
   /// Bytes of address space past the mapped handles.
   std::size_t room() const noexcept { return reserved > size ? reserved - size : 0; }
@@ -182,8 +184,13 @@ class vmm_backend {
     }
     if (bytes == 0 || bytes > segment.room() || !fits(bytes, physical_bytes_)) return false;
     const std::size_t first = segment.count, count = first + sizes.size();
-    auto slots = std::make_unique<handle_slot<handle_type>[]>(count);
-    std::copy(segment.slots.get(), segment.slots.get() + first, slots.get());
+    std::unique_ptr<handle_slot<handle_type>[]> grown;
+    if (count > std::max(segment.capacity, first)) {
+      const std::size_t capacity = std::max(count, 2 * first);
+      grown = std::make_unique<handle_slot<handle_type>[]>(capacity);
+      std::copy(segment.slots.get(), segment.slots.get() + first, grown.get());
+    }
+    handle_slot<handle_type>* slots = grown ? grown.get() : segment.slots.get();
     for (std::size_t i = first, offset = segment.size; i < count; offset += sizes[i - first], ++i) {
       slots[i].offset = offset;
       slots[i].size = sizes[i - first];
@@ -211,7 +218,10 @@ class vmm_backend {
     physical_bytes_ += bytes;
     segment.size += bytes;
     segment.count = count;
-    segment.slots = std::move(slots);
+    if (grown) {
+      segment.capacity = std::max(count, 2 * first);
+      segment.slots = std::move(grown);
+    }
     return true;
   }
 
@@ -259,6 +269,7 @@ class vmm_backend {
     out.count = count;
     out.slots = std::move(slots);
     out.reserved = reserved;
+    out.capacity = count;
     return true;
   }
 

@@ -205,10 +205,12 @@ class segment_pool {
       t->mapping.size = m.size - offset;
       t->mapping.count = m.count - i;
       t->mapping.slots = std::move(tail);
+      t->mapping.capacity = m.count - i;
       t->mapping.reserved = std::max(m.size, m.reserved) - offset;
       m.size = offset;
       m.count = i;
       m.slots = std::move(head);
+      m.capacity = i;
       m.reserved = offset;
       t->stream = s->stream;
       t->shared = shared;
