@@ -148,13 +148,15 @@ inline config gmlake_config() {
 /// New memory in handles of up to 8 MiB (max_handle): a mapped handle costs the same driver time
 /// whatever its size, so large stitches make ~4x fewer calls than from 2 MiB handles, for a little
 /// memory stranded in handles partly in use (see bench/results/replay.md, "Key findings";
-/// `max_handle:0` keeps 2 MiB handles only).
+/// `max_handle:0` keeps 2 MiB handles only). Segments grow in place (segment_reserve), so a
+/// block's tail in its last handle starts the next request (docs/stitching.md).
 inline config glake_config() {
   config cfg;
   cfg.frag_limit = 2 * MiB;
   cfg.grow_stitch = true;
   cfg.reuse_limit = 2.0;
   cfg.max_handle = 8 * MiB;
+  cfg.segment_reserve = 256 * GiB;  // at most the device's memory: a stream's segment grows in place
   cfg.event_interval_us = 20'000;  // the plug-in's; the simulated backend has no events
   return cfg;
 }
