@@ -271,7 +271,7 @@ TEST_CASE("segment pool: a segment with room grows in place, its free last block
   CHECK(device.violations() == 0);
 }
 
-TEST_CASE("segment pool: split cuts a segment at a handle; the pieces share its range until the last goes") {
+TEST_CASE("segment pool: split cuts a segment at a handle, and the pieces share its range until the last goes") {
   sim_device device(1 * GiB);
   detail::usage_counters counters;
   pool_type pool(sim_provider{device}, sim_reserver{device}, handles_up_to(0, 8), counters);

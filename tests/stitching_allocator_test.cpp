@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -1046,6 +1047,50 @@ struct event_record {
 };
 
 }  // namespace
+
+TEST_CASE("memory observer: a segment grown in place or split is told of as it is shown afterwards") {
+  sim_device device(1 * GiB);
+  config cfg = stitch_everything();
+  cfg.segment_reserve = 1 * GiB;
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, cfg);
+  event_record seen;
+  allocator.set_memory_observer(&event_record::observe, &seen);
+  // The segments the history leaves (segment_alloc adds one at its address, segment_free removes
+  // exactly that one) and those visit_state shows.
+  const auto agree = [&] {
+    std::map<std::uintptr_t, std::size_t> told;
+    for (const memory_event& e : seen.events) {
+      if (e.action == memory_action::segment_alloc) {
+        CHECK(told.emplace(e.address, e.size).second);
+      } else if (e.action == memory_action::segment_free) {
+        const auto it = told.find(e.address);
+        REQUIRE(it != told.end());
+        CHECK(it->second == e.size);
+        told.erase(it);
+      }
+    }
+    state_record r;
+    allocator.visit_state(r);
+    std::map<std::uintptr_t, std::size_t> shown;
+    for (const auto& sg : r.segments) shown.emplace(sg.view.address, sg.view.size);
+    return told == shown;
+  };
+  void* a = allocator.allocate(3 * M);
+  void* b = allocator.allocate(40 * M);  // grows the segment in place
+  void* c = allocator.allocate(5 * M);
+  CHECK(static_cast<char*>(c) == static_cast<char*>(a) + 43 * M);
+  CHECK(agree());
+  allocator.deallocate(b, 40 * M);
+  allocator.release_cached();  // b's whole handles split off and given back
+  CHECK(allocator.stats().reserved_bytes < 48 * M);
+  CHECK(agree());
+  allocator.deallocate(a, 3 * M);
+  allocator.deallocate(c, 5 * M);
+  allocator.release_cached();
+  CHECK(agree());
+  CHECK(allocator.stats().reserved_bytes == 0);
+  allocator.set_memory_observer(nullptr, nullptr);
+}
 
 TEST_CASE("visit_state: segments tiled by their blocks, covering the reserved bytes, small blocks in place") {
   sim_device device(1 * GiB);

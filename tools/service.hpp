@@ -11,6 +11,7 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <optional>
 #include <string>
@@ -68,6 +69,14 @@ inline std::optional<gid_t> group_id(const char* tool, const std::string& name) 
   return g->gr_gid;
 }
 
+/// An error's text as a tool prints it after its own name: without the "glake: " that the
+/// library puts before messages meant to stand alone ("glake-dedup: PATH exists ...", not
+/// "glake-dedup: glake: PATH exists ...").
+inline const char* without_library_prefix(const char* what) noexcept {
+  constexpr char prefix[] = "glake: ";
+  return std::strncmp(what, prefix, sizeof prefix - 1) == 0 ? what + sizeof prefix - 1 : what;
+}
+
 /// Runs a service's body and turns what it throws into an exit status: another service holding
 /// the socket's lock is not a failure (0, said unless quiet); anything else is 1 after a line on
 /// stderr.
@@ -77,13 +86,13 @@ int serve(const char* tool, bool quiet, Body&& body) {
     return body();
   } catch (const glake::driver_error& e) {
     if (e.code() == EWOULDBLOCK && e.call() == "flock") {
-      if (!quiet) std::fprintf(stderr, "%s: %s; nothing to do\n", tool, e.what());
+      if (!quiet) std::fprintf(stderr, "%s: %s; nothing to do\n", tool, without_library_prefix(e.what()));
       return 0;
     }
-    std::fprintf(stderr, "%s: %s\n", tool, e.what());
+    std::fprintf(stderr, "%s: %s\n", tool, without_library_prefix(e.what()));
     return 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s: %s\n", tool, e.what());
+    std::fprintf(stderr, "%s: %s\n", tool, without_library_prefix(e.what()));
     return 1;
   }
 }

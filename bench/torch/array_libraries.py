@@ -163,8 +163,13 @@ def run_numba(allocator, steps, seed, library):
         import glake_torch
 
         glake_torch.use_with_numba(library=library)  # before Numba makes its context
-    from numba import cuda
     import numpy as np
+
+    if not hasattr(np, "row_stack"):
+        # numba-cuda registers an overload for np.row_stack, which NumPy 2.4 removed (an alias of
+        # vstack); without it `import numba.cuda`'s kernel compilation fails with either allocator.
+        np.row_stack = np.vstack
+    from numba import cuda
 
     @cuda.jit
     def fill(x, salt):
@@ -305,16 +310,17 @@ def markdown(report):
         f"Device: {report.get('device_name', '?')}; {report['steps']} steps per run, seed {report['seed']}; "
         f"`{report['command']}`.",
         "",
-        "| library | workload | allocator | in use, peak (MiB) | held, peak (MiB) | device used, peak (MiB) | step (ms) | checksum |",
-        "|---|---|---|---:|---:|---:|---:|---|",
+        "| library | workload | round | allocator | in use, peak (MiB) | held, peak (MiB) | device used, peak (MiB) | step (ms) | checksum |",
+        "|---|---|---:|---|---:|---:|---:|---:|---|",
     ]
     for r in report["runs"]:
         name = OWN.get(r["library"], "own") if r["allocator"] == "own" else "glake"
         if not r.get("ok"):
-            lines.append(f"| {r['library']} | {WORKLOAD.get(r['library'], '')} | {name} | "
+            lines.append(f"| {r['library']} | {WORKLOAD.get(r['library'], '')} | {r.get('round', 0)} | {name} | "
                          f"{r.get('error') or r.get('skipped')} | | | | |")
             continue
-        lines.append(f"| {r['library']} | {WORKLOAD[r['library']]} | {name} | {mib(r.get('in_use_peak_bytes'))} | "
+        lines.append(f"| {r['library']} | {WORKLOAD[r['library']]} | {r.get('round', 0)} | {name} | "
+                     f"{mib(r.get('in_use_peak_bytes'))} | "
                      f"{mib(r.get('held_peak_bytes'))} | {mib(r.get('device_peak_bytes'))} | {r['steps_ms']:.2f} | "
                      f"{r['checksum']:.6g} |")
     lines += ["", "In use: the peak of live bytes (CuPy's pool and glake sampled at each step's end; RMM's "
@@ -330,16 +336,16 @@ def markdown(report):
 def compare(runs):
     """Problems: failed runs, checksums that differ between the two runs of a library."""
     problems = []
-    by = {(r["library"], r["allocator"]): r for r in runs}
     for r in runs:
         if not r.get("ok") and not r.get("skipped"):
             problems.append(f"{r['library']} with {r['allocator']} failed: {r['error']}")
-    for library in {r["library"] for r in runs}:
-        own, glake = by.get((library, "own")), by.get((library, "glake"))
-        if own and glake and own.get("ok") and glake.get("ok"):
-            a, b = own["checksum"], glake["checksum"]
+    for library in dict.fromkeys(r["library"] for r in runs):
+        ok = [r for r in runs if r["library"] == library and r.get("ok")]
+        for r in ok[1:]:
+            a, b = ok[0]["checksum"], r["checksum"]
             if abs(a - b) > 1e-4 * max(1.0, abs(a)):
-                problems.append(f"{library}: checksums differ ({a!r} own, {b!r} glake)")
+                problems.append(f"{library}: checksums differ ({a!r} {ok[0]['allocator']}, {b!r} {r['allocator']} "
+                                f"in round {r.get('round', 0)})")
     return problems
 
 
@@ -353,6 +359,8 @@ def main(argv=None):
     parser.add_argument("--rmm-initial-pool", type=int, default=0,
                         help="bytes RMM's own pool starts with (default 0: it grows as asked)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per run")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="runs of each library's pair, the order alternating (default 2)")
     parser.add_argument("--child", choices=LIBRARIES, help=argparse.SUPPRESS)
     parser.add_argument("--allocator", choices=ALLOCATORS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -373,8 +381,11 @@ def main(argv=None):
             for allocator in ALLOCATORS:
                 runs.append({"library": library, "allocator": allocator, "ok": False, "skipped": f"not importable: {missing}"})
             continue
-        for allocator in ALLOCATORS:
-            runs.append(run_one(library, allocator, args))
+        for r in range(args.rounds):  # the order alternates between rounds (caches warmed by the first)
+            for allocator in (ALLOCATORS if r % 2 == 0 else tuple(reversed(ALLOCATORS))):
+                run = run_one(library, allocator, args)
+                run["round"] = r
+                runs.append(run)
     report = {"command": " ".join(["python3", "bench/torch/array_libraries.py"] + (argv or sys.argv[1:])),
               "steps": args.steps, "seed": args.seed, "runs": runs, "problems": compare(runs),
               "device_name": next((r["device_name"] for r in runs if r.get("device_name")), None)}

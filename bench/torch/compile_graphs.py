@@ -151,6 +151,36 @@ def resnet_infer(torch, steps):
     return step, lambda: [round(float(v), 2) for v in sums[:4]]
 
 
+def glake_counters(allocator):
+    """glake's cumulative driver calls and their host ns, plus its allocation calls' host time when
+    GLAKE_HOST_TIMING was set: {} for the other allocators."""
+    if allocator != "glake":
+        return {}
+    import glake_torch
+
+    s = glake_torch.stats()
+    out = {"glake_" + key: value for key, value in s.items()
+           if key.startswith(("driver_", "events_", "event_", "device_waits", "stitch")) and isinstance(value, int)}
+    host = glake_torch.host_time()
+    if host is not None:
+        out.update(glake_host_ns=host["ns"], glake_host_calls=host["calls"])
+    return out
+
+
+def pool_memory(torch):
+    """What each memory pool holds at the end (torch.cuda.memory_snapshot's segments by
+    segment_pool_id; (0, 0) is the general pool, the others CUDA graphs' private pools):
+    {pool: [segments, reserved bytes, allocated bytes]}."""
+    pools = {}
+    for segment in torch.cuda.memory_snapshot():
+        key = str(tuple(segment.get("segment_pool_id", (0, 0))))
+        entry = pools.setdefault(key, [0, 0, 0])
+        entry[0] += 1
+        entry[1] += segment["total_size"]
+        entry[2] += segment.get("allocated_size", 0)
+    return pools
+
+
 def child(args):
     result = dict(workload=args.workload, allocator=args.allocator, steps=args.steps, round=args.round)
     if args.allocator == "glake":
@@ -173,6 +203,10 @@ def child(args):
             step(i)
         torch.cuda.synchronize()
         result["warmup_s"] = round(time.perf_counter() - t0, 2)
+        result["peak_reserved_after_warmup_bytes"] = torch.cuda.max_memory_reserved()
+        result["pools_after_warmup"] = pool_memory(torch)
+        counts_before = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+        glake_before = glake_counters(args.allocator)
         times = []
         for i in range(args.steps):
             torch.cuda.synchronize()
@@ -182,6 +216,14 @@ def child(args):
             times.append(time.perf_counter() - t)
         times.sort()
         free_end, _ = torch.cuda.mem_get_info()
+        # Per timed step: allocations (every allocator), and under glake its driver calls and,
+        # with GLAKE_HOST_TIMING=1, the host time of its allocation calls.
+        result["allocations_per_step"] = round(
+            (torch.cuda.memory_stats().get("allocation.all.allocated", 0) - counts_before) / args.steps, 1)
+        result["pools"] = pool_memory(torch)
+        glake_after = glake_counters(args.allocator)
+        for key in glake_after:
+            result[key + "_per_step"] = round((glake_after[key] - glake_before[key]) / args.steps, 1)
         result.update(
             status="ok", median_ms=round(1000 * statistics.median(times), 3),
             p10_ms=round(1000 * times[len(times) // 10], 3), p90_ms=round(1000 * times[(9 * len(times)) // 10], 3),

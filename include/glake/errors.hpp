@@ -63,11 +63,13 @@ class driver_error : public std::runtime_error {
 };
 
 /// Misuse caught by a checked build: a pointer the allocator never returned, a double free, or a
-/// size at deallocation that differs from the size at allocation. The allocator's state is
-/// unchanged when this is thrown.
+/// size at deallocation that differs from the size at allocation; an argument out of range; an
+/// operation that the component's state does not allow now (bad_state: a capture begun twice into
+/// one pool, a pool released that has no use). The allocator's state is unchanged when this is
+/// thrown.
 class usage_error : public std::logic_error {
  public:
-  enum class kind { foreign_pointer, double_free, size_mismatch, bad_argument };
+  enum class kind { foreign_pointer, double_free, size_mismatch, bad_argument, bad_state };
   usage_error(kind k, const std::string& message) : std::logic_error(message), kind_(k) {}
   kind which() const noexcept { return kind_; }
 

@@ -1210,6 +1210,21 @@ bool begin_allocate_to_pool(int device, pool_id pool, std::function<bool(CUstrea
       [filter = std::move(filter)](stream_ref s) { return filter && filter(s.as<CUstream_st>()); });
 }
 
+std::size_t pool_use_count(int device, pool_id pool) {
+  const auto* pools = plugin().pools(device);
+  return pools == nullptr ? 0 : pools->use_count(plugin_type::pool_id{pool.first, pool.second});
+}
+
+bool allocating_to_pool(int device, pool_id pool) {
+  const auto* pools = plugin().pools(device);
+  return pools != nullptr && pools->capturing(plugin_type::pool_id{pool.first, pool.second});
+}
+
+std::vector<void*> pool_live_allocations(int device, pool_id pool) {
+  const auto* pools = plugin().pools(device);
+  return pools == nullptr ? std::vector<void*>{} : pools->live(plugin_type::pool_id{pool.first, pool.second});
+}
+
 std::size_t device_total_bytes(int device) { return ::device_total_bytes(device); }
 
 }  // namespace glake::torch_plugin::core

@@ -87,29 +87,11 @@ std::function<bool(cudaStream_t)> noting_filter(core::pool_id id, std::function<
   };
 }
 
-// Live allocations of one private pool (or of none: {0, 0}), collected from glake's state: the
-// blocks handed out and the live stitched ranges (their pieces are claimed blocks, skipped).
-class live_collector final : public core::state_sink {
- public:
-  explicit live_collector(core::pool_id wanted) : wanted_(wanted) {}
-  void pool(core::pool_id id) override { in_pool_ = id == wanted_; }
-  void segment(const segment_view&) override {}
-  void block(const block_view& b) override {
-    if (in_pool_ && b.state == block_state::allocated && b.stitched_into == 0) {
-      live.insert(reinterpret_cast<void*>(b.address));
-    }
-  }
-  void stitched(const stitched_view& r) override {
-    if (in_pool_ && r.live && r.state == block_state::allocated) live.insert(reinterpret_cast<void*>(r.address));
-  }
-  void piece(const stitched_piece_view&) override {}
-
-  std::unordered_set<void*> live;
-
- private:
-  core::pool_id wanted_;
-  bool in_pool_ = false;
-};
+// A private pool's live allocations, as glake's pools keep them (graph_pools::live).
+std::unordered_set<void*> live_in_pool(int device, core::pool_id id) {
+  const std::vector<void*> live = core::pool_live_allocations(device, id);
+  return {live.begin(), live.end()};
+}
 
 // A pool's live allocations when graph trees checkpointed it.
 struct pool_checkpoint final : cca::AllocatorState {
@@ -328,33 +310,18 @@ class native_allocator final : public cca::CUDAAllocator {
     TORCH_CHECK(core::begin_allocate_to_pool(device, id, noting_filter(id, std::move(filter))), "glake: device ",
                 static_cast<int>(device), " could not begin allocating to pool (", id.first, ", ", id.second,
                 "): see the line glake wrote to stderr");
-    std::lock_guard guard(mutex_);
-    ++uses_[{device, id}];
-    ++routing_[{device, id}];
   }
   void endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t id) override {
     glake_end_allocate_to_pool(device, id);
-    std::lock_guard guard(mutex_);
-    const auto it = routing_.find({device, id});
-    if (it != routing_.end() && --it->second == 0) routing_.erase(it);
   }
+  // The use counts are glake's pools' own (graph_pools): begin and createOrIncrefPool add one,
+  // releasePool drops one.
   void releasePool(c10::DeviceIndex device, c10::MempoolId_t id) override {
-    bool unused = false;
-    {
-      std::lock_guard guard(mutex_);
-      const auto it = uses_.find({device, id});
-      if (it != uses_.end() && --it->second == 0) {
-        uses_.erase(it);
-        unused = true;
-      }
-    }
-    if (unused) release_held(device, id, true);
+    if (core::pool_use_count(device, id) == 1) release_held(device, id, true);  // its last use
     glake_release_pool(device, id);
   }
   int getPoolUseCount(c10::DeviceIndex device, c10::MempoolId_t id) override {
-    std::lock_guard guard(mutex_);
-    const auto it = uses_.find({device, id});
-    return it == uses_.end() ? 0 : it->second;
+    return static_cast<int>(core::pool_use_count(device, id));
   }
   // MemPool(): one more use of the pool, made now; requests reach it under use_mem_pool.
   void createOrIncrefPool(c10::DeviceIndex device, c10::MempoolId_t id,
@@ -365,8 +332,6 @@ class native_allocator final : public cca::CUDAAllocator {
     TORCH_CHECK(core::begin_allocate_to_pool(device, id, [](cudaStream_t) { return false; }), "glake: pool (",
                 id.first, ", ", id.second, ") could not be made on device ", static_cast<int>(device));
     glake_end_allocate_to_pool(device, id);
-    std::lock_guard guard(mutex_);
-    ++uses_[{device, id}];
   }
   // A pool's requests never fall back to other pools, and glake splits and stitches in every pool:
   // both settings are accepted and change nothing.
@@ -375,16 +340,14 @@ class native_allocator final : public cca::CUDAAllocator {
 
   bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::MempoolId_t id,
                                 const std::unordered_set<void*>& expected) override {
-    live_collector c(id);
-    core::visit_device_state(device, c);
-    drop_held(c.live);
-    return c.live == expected;
+    std::unordered_set<void*> live = live_in_pool(device, id);
+    drop_held(live);
+    return live == expected;
   }
 
   std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex device, c10::MempoolId_t id) override {
-    live_collector c(id);
-    core::visit_device_state(device, c);
-    drop_held(c.live);
+    std::unordered_set<void*> live = live_in_pool(device, id);
+    drop_held(live);
     auto state = std::make_shared<pool_checkpoint>();
     state->device = device;
     state->pool = id;
@@ -392,7 +355,7 @@ class native_allocator final : public cca::CUDAAllocator {
     auto& kept = checkpoints_[{device, id}];
     std::erase_if(kept, [](const auto& w) { return w.expired(); });
     kept.push_back(state);
-    for (void* p : c.live) {
+    for (void* p : live) {
       const auto it = live_.find(p);
       if (it != live_.end()) state->live.push_back({p, it->second});
     }
@@ -409,13 +372,12 @@ class native_allocator final : public cca::CUDAAllocator {
     auto state = std::dynamic_pointer_cast<pool_checkpoint>(pps);
     TORCH_CHECK(state != nullptr && state->device == device, "glake: not a checkpoint of glake's allocator on device ",
                 static_cast<int>(device));
-    live_collector c(state->pool);
-    core::visit_device_state(device, c);
-    drop_held(c.live);
+    std::unordered_set<void*> live = live_in_pool(device, state->pool);
+    drop_held(live);
     cca::CheckpointDelta delta;
     std::unordered_set<void*> wanted;
     for (const auto& e : state->live) wanted.insert(e.ptr);
-    for (void* p : c.live) {
+    for (void* p : live) {
       if (wanted.contains(p)) continue;
       free(p);
       delta.ptrs_freed.push_back(p);
@@ -423,7 +385,7 @@ class native_allocator final : public cca::CUDAAllocator {
     const c10::Device where(c10::DeviceType::CUDA, device);
     std::vector<const pool_checkpoint::entry*> missing;
     for (const auto& e : state->live) {
-      if (c.live.contains(e.ptr) || revive(e.ptr, e.a)) {
+      if (live.contains(e.ptr) || revive(e.ptr, e.a)) {
         delta.dataptrs_allocd.emplace_back(e.ptr, e.ptr, &delete_native, where);
       } else {
         missing.push_back(&e);
@@ -552,9 +514,10 @@ class native_allocator final : public cca::CUDAAllocator {
   // in glake, free for PyTorch's statistics, revived by a restore. Held allocations no living
   // checkpoint lists go back when requests go to the pool again, all of them once it has no use.
   bool hold(void* ptr, const allocation& a) {
+    if (core::allocating_to_pool(a.device, *a.pool)) return false;
     std::lock_guard guard(mutex_);
     const std::pair<int, c10::MempoolId_t> key{a.device, *a.pool};
-    if (routing_.contains(key) || !listed(key, ptr)) return false;
+    if (!listed(key, ptr)) return false;
     held_[ptr] = a;
     // Free for PyTorch: the history says so (glake's never will).
     if (tracing()) {
@@ -681,8 +644,6 @@ class native_allocator final : public cca::CUDAAllocator {
   std::mutex mutex_;
   std::array<device_state, max_devices> devices_{};
   std::unordered_map<void*, allocation> live_;
-  std::map<std::pair<int, c10::MempoolId_t>, int> uses_;
-  std::map<std::pair<int, c10::MempoolId_t>, int> routing_;  // begun and not yet ended
   std::map<std::pair<int, c10::MempoolId_t>, std::vector<std::weak_ptr<pool_checkpoint>>> checkpoints_;
   std::unordered_map<void*, allocation> held_;  // see hold()
   std::vector<cca::OutOfMemoryObserver> oom_observers_;

@@ -22,9 +22,9 @@
 // | recordHistory / snapshot               | stacks from torch's context recorder; segments and |
 // |                                        | blocks from glake's state, stitched allocations    |
 // |                                        | shown on their pieces (each byte once)             |
-// | begin/endAllocateToPool, releasePool,  | glake's private pools, one stitching allocator     |
-// | createOrIncrefPool, getPoolUseCount    | each                                               |
-// | checkPoolLiveAllocations               | exact, from the pool's state                       |
+// | begin/endAllocateToPool, releasePool,  | glake's private pools (graph_pools), one stitching |
+// | createOrIncrefPool, getPoolUseCount    | allocator each; use counts are the pools' own      |
+// | checkPoolLiveAllocations               | exact, from the pool's live blocks (graph_pools)   |
 // | getCheckpointState / setCheckpoint...  | live allocations of the pool; restoring frees the  |
 // |                                        | extra ones and revives missing ones: held (see     |
 // |                                        | native_allocator::hold) or allocated again at      |

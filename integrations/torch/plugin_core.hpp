@@ -54,6 +54,16 @@ std::vector<history_entry> device_history(int device);
 /// glake_begin_allocate_to_pool, which says whether the pool now takes the requests.
 bool begin_allocate_to_pool(int device, pool_id pool, std::function<bool(CUstream_st*)> filter);
 
+/// The uses of `device`'s private pool `pool` (graph_pools::use_count: begins, creations included,
+/// minus releases); 0 when it does not exist.
+std::size_t pool_use_count(int device, pool_id pool);
+
+/// Whether a capture into the pool is under way: requests go to it (graph_pools::capturing).
+bool allocating_to_pool(int device, pool_id pool);
+
+/// The pool's live allocations, ascending (graph_pools::live); empty when it does not exist.
+std::vector<void*> pool_live_allocations(int device, pool_id pool);
+
 /// The device's memory (cuDeviceTotalMem), 0 when the driver cannot say.
 std::size_t device_total_bytes(int device);
 

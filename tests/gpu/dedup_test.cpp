@@ -31,7 +31,7 @@ template class glake::dedup_client<glake::cuda_shareable_backend, glake::cuda_de
 static_assert(glake::content_hasher<glake::cuda_staged_hasher>);
 static_assert(glake::content_hasher<glake::cuda_device_hasher>);
 static_assert(glake::shareable_backend<glake::cuda_shareable_backend>);
-static_assert(glake::content_verifier<glake::cuda_content_verifier>);
+static_assert(glake::sliced_content_verifier<glake::cuda_content_verifier>);
 
 namespace {
 
@@ -80,8 +80,8 @@ struct broker_thread {
   int stop[2] = {-1, -1};
   basic_dedup_broker<cuda_content_verifier> broker;
   std::thread thread;
-  explicit broker_thread(std::string path)
-      : socket(std::move(path)), broker(socket, dedup_broker_options{}, cuda_content_verifier(0)) {
+  explicit broker_thread(std::string path, dedup_broker_options options = {})
+      : socket(std::move(path)), broker(socket, std::move(options), cuda_content_verifier(0)) {
     REQUIRE(::pipe(stop) == 0);
     thread = std::thread([this] { broker.run(stop[0]); });
   }
@@ -107,8 +107,11 @@ TEST_CASE("gpu: two clients publish equal device memory: the second maps the fir
   const std::string socket = temp_socket();
   constexpr std::size_t pieces = 32;
   constexpr std::size_t bytes = pieces * piece;
+  dedup_broker_options broker_options;
+  SUBCASE("compared in slices of 4 MiB, the default: a piece in one turn") {}
+  SUBCASE("compared in slices of 512 KiB: a piece over four turns") { broker_options.compare_slice_bytes = 512 * KiB; }
   {
-    broker_thread broker(socket);
+    broker_thread broker(socket, broker_options);
     region a(bytes), b(bytes);
     // Equal bytes, except b's last piece.
     REQUIRE(gpu_test::fill(a.data(), bytes, 5) == cudaSuccess);
@@ -169,6 +172,33 @@ TEST_CASE("gpu: two clients publish equal device memory: the second maps the fir
     first.release(a.data(), bytes);
   }
   std::filesystem::remove_all(std::filesystem::path(socket).parent_path());
+}
+
+TEST_CASE("gpu: cuda_content_verifier compares slices of exported device memory at their offsets") {
+  REQUIRE(cudaFree(nullptr) == cudaSuccess);
+  region a(piece), b(piece);
+  REQUIRE(gpu_test::fill(a.data(), piece, 7) == cudaSuccess);
+  REQUIRE(gpu_test::fill(b.data(), piece, 7) == cudaSuccess);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  cuda_shareable_backend backend(0);
+  detail::unique_fd ea = backend.export_copy(a.data(), piece), same = backend.export_copy(b.data(), piece);
+  unsigned char last = 0;
+  REQUIRE(cuMemcpyDtoH(&last, b.base + piece - 1, 1) == CUDA_SUCCESS);
+  last ^= 1;
+  REQUIRE(cuMemcpyHtoD(b.base + piece - 1, &last, 1) == CUDA_SUCCESS);  // b differs in its last byte
+  detail::unique_fd eb = backend.export_copy(b.data(), piece);
+  const cuda_content_verifier v(0);
+  CHECK(v.check(ea.get(), piece) == nullptr);
+  CHECK(v.equal(ea.get(), same.get(), piece) == 1);
+  CHECK(v.equal(ea.get(), eb.get(), piece) == 0);
+  CHECK(v.equal_slice(ea.get(), eb.get(), piece, 0, piece - 4096) == 1);
+  CHECK(v.equal_slice(ea.get(), eb.get(), piece, 512 * KiB, 512 * KiB) == 1);
+  CHECK(v.equal_slice(ea.get(), eb.get(), piece, piece - 4096, 4096) == 0);
+  CHECK(v.equal_slice(ea.get(), eb.get(), piece, piece - 1, 1) == 0);
+  CHECK(v.equal_slice(ea.get(), eb.get(), piece, 0, piece) == 0);
+  CHECK(v.equal_slice(ea.get(), same.get(), piece, 3 * 512 * KiB, 512 * KiB) == 1);
+  CHECK(v.equal_slice(ea.get(), eb.get(), piece, piece - 4096, 8192) == -1);  // past the end
+  CHECK(v.equal_slice(ea.get(), eb.get(), 2 * piece, 0, 4096) == -1);         // larger than they are
 }
 
 TEST_CASE("gpu: cuda_device_hasher gives the host arithmetic's digest for equal bytes wherever they lie, another for other bytes") {

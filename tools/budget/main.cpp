@@ -19,31 +19,11 @@
 #include "glake/errors.hpp"
 #include "glake/scheduling/budget_coordinator.hpp"
 #include "glake/scheduling/coordinated_budget.hpp"
+#include "../args.hpp"
+#include "../json.hpp"
 #include "../service.hpp"
 
 namespace {
-
-constexpr const char* usage =
-    "usage: glake-budget --socket PATH --budget SIZE|FRACTION [--device-bytes N] [--group NAME] [--quiet]\n"
-    "       glake-budget --socket PATH --stats\n"
-    "Holds one device budget for the workloads of several processes on one GPU, on the Unix\n"
-    "socket PATH, until SIGTERM or SIGINT. Only processes of this user connect (socket mode\n"
-    "0600), and members of the group NAME when given (mode 0660, the socket given to that\n"
-    "group). A second coordinator on the same PATH exits at once with status 0 and says so.\n"
-    "\n"
-    "  --socket PATH      the socket (PATH.lock beside it marks the coordinator that owns it)\n"
-    "  --budget SIZE      bytes, with an optional K, M, G or T suffix (powers of 1024): 40G\n"
-    "  --budget FRACTION  a fraction in (0, 1] of the device, which --device-bytes gives: 0.8\n"
-    "  --device-bytes N   the device's memory in bytes (suffixes as above)\n"
-    "  --group NAME       also admit the members of this group\n"
-    "  --stats            print a running coordinator's ledger and exit\n"
-    "  --quiet            no start and stop lines on stderr\n"
-    "  -h, --help         this text\n";
-
-[[noreturn]] void fail_usage(const std::string& message) {
-  std::fprintf(stderr, "glake-budget: %s\n%s", message.c_str(), usage);
-  std::exit(2);
-}
 
 // "40G", "512M", "1.5T", "1048576" (powers of 1024, as config strings read them); nullopt when
 // not a positive size.
@@ -53,12 +33,25 @@ std::optional<std::size_t> parse_bytes(const std::string& text) {
   return n;
 }
 
-int print_stats(const std::string& path) {
+int print_stats(const std::string& path, bool json) {
   std::string why;
   const auto s = glake::query_budget_coordinator(path, why);
   if (!s) {
     std::fprintf(stderr, "glake-budget: no coordinator answers at %s (%s)\n", path.c_str(), why.c_str());
     return 1;
+  }
+  if (json) {
+    std::printf("{\"budget\":%" PRIu64 ",\"used\":%" PRIu64 ",\"workloads\":%" PRIu32 ",\"lines\":[", s->budget,
+                s->used, s->workloads);
+    bool first = true;
+    for (const auto& w : s->lines) {
+      std::printf("%s{\"id\":%" PRIu32 ",\"name\":\"%s\",\"held\":%zu,\"pinned\":%zu,\"predicted\":%zu}",
+                  first ? "" : ",", w.id, glake::tools::json_escape(glake::detail::printable(w.name)).c_str(), w.held,
+                  w.pinned, w.predicted);
+      first = false;
+    }
+    std::printf("]}\n");
+    return 0;
   }
   std::printf("budget %" PRIu64 "\nused %" PRIu64 "\nworkloads %" PRIu32 "\n", s->budget, s->used, s->workloads);
   for (const auto& w : s->lines) {
@@ -75,38 +68,35 @@ int main(int argc, char** argv) {
   std::optional<std::string> group_name;
   std::optional<std::size_t> device_bytes;
   glake::budget_coordinator_options options;
-  bool stats = false, quiet = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view arg = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) fail_usage(std::string(arg) + " needs a value");
-      return argv[++i];
-    };
-    if (arg == "--socket") {
-      path = value();
-    } else if (arg == "--budget") {
-      budget_text = value();
-    } else if (arg == "--device-bytes") {
-      const std::string text = value();
-      device_bytes = parse_bytes(text);
-      if (!device_bytes) fail_usage("--device-bytes takes a positive size, not '" + text + "'");
-    } else if (arg == "--group") {
-      group_name = value();
-    } else if (arg == "--stats") {
-      stats = true;
-    } else if (arg == "--quiet") {
-      quiet = true;
-    } else if (arg == "-h" || arg == "--help") {
-      std::fputs(usage, stdout);
-      return 0;
-    } else {
-      fail_usage("unknown argument '" + std::string(arg) + "'");
-    }
-  }
-  if (path.empty()) fail_usage("--socket PATH is required");
+  bool stats = false, json = false, quiet = false;
+  glake::tools::arg_parser args(
+      "glake-budget", GLAKE_TOOLS_VERSION,
+      "glake-budget --socket PATH --budget SIZE|FRACTION [--device-bytes N] [--group NAME] [--quiet]\n"
+      "glake-budget --socket PATH --stats [--json]",
+      "Holds one device budget for the workloads of several processes on one GPU, on the Unix\n"
+      "socket PATH, until SIGTERM or SIGINT. Only processes of this user connect (socket mode\n"
+      "0600), and members of the group NAME when given (mode 0660, the socket given to that\n"
+      "group). A second coordinator on the same PATH exits at once with status 0 and says so.");
+  args.option("--socket", "PATH", "the socket (PATH.lock beside it marks the coordinator that owns it)", path)
+      .option("--budget", "SIZE|FRACTION",
+              "bytes, with an optional K, M, G or T suffix (powers of 1024): 40G;\n"
+              "or a fraction in (0, 1] of the device, which --device-bytes gives: 0.8",
+              budget_text)
+      .option("--device-bytes", "N", "the device's memory in bytes (suffixes as above)",
+              [&](const std::string& text) {
+                device_bytes = parse_bytes(text);
+                if (!device_bytes) throw glake::tools::usage_error("takes a positive size, not '" + text + "'");
+              })
+      .option("--group", "NAME", "also admit the members of this group", group_name)
+      .flag("--stats", "print a running coordinator's ledger and exit", stats)
+      .flag("--json", "with --stats: the ledger as one JSON object", json)
+      .flag("--quiet", "no start and stop lines on stderr", quiet);
+  args.parse_or_exit(argc, argv);
+  if (path.empty()) args.fail("--socket PATH is required");
+  if (json && !stats) args.fail("--json goes with --stats");
   return glake::tools::serve("glake-budget", quiet, [&]() -> int {
-    if (stats) return print_stats(path);
-    if (budget_text.empty()) fail_usage("--budget is required");
+    if (stats) return print_stats(path, json);
+    if (budget_text.empty()) args.fail("--budget is required");
     std::optional<glake::budget_ledger> ledger;
     // A fraction is a plain decimal number with a point ("0.8"); "1.5T" is a size.
     const bool fractional = budget_text.find('.') != std::string::npos &&
@@ -115,13 +105,13 @@ int main(int argc, char** argv) {
       char* end = nullptr;
       const double fraction = std::strtod(budget_text.c_str(), &end);
       if (end == budget_text.c_str() || *end != '\0' || !(fraction > 0.0 && fraction <= 1.0)) {
-        fail_usage("--budget " + budget_text + " is not a size nor a fraction in (0, 1]");
+        args.fail("--budget " + budget_text + " is not a size nor a fraction in (0, 1]");
       }
-      if (!device_bytes) fail_usage("a fractional --budget needs --device-bytes");
+      if (!device_bytes) args.fail("a fractional --budget needs --device-bytes");
       ledger.emplace(glake::budget_ledger::fraction_of(*device_bytes, fraction));
     } else {
       const auto bytes = parse_bytes(budget_text);
-      if (!bytes) fail_usage("--budget takes a positive size or a fraction, not '" + budget_text + "'");
+      if (!bytes) args.fail("--budget takes a positive size or a fraction, not '" + budget_text + "'");
       ledger.emplace(*bytes);
     }
     if (group_name) {

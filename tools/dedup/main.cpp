@@ -4,6 +4,7 @@
 
 #include <cerrno>
 #include <cinttypes>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -18,6 +19,7 @@
 #include "glake/errors.hpp"
 #include "glake/sharing/dedup_broker.hpp"
 #include "glake/sharing/dedup_client.hpp"
+#include "../args.hpp"
 #include "../service.hpp"
 #ifdef GLAKE_DEDUP_CUDA
 #include "glake/sharing/cuda_sharing.hpp"
@@ -25,34 +27,7 @@
 
 namespace {
 
-constexpr const char* usage =
-    "usage: glake-dedup --socket PATH [--device N] [--group NAME] [--max-objects N] [--max-client-bytes SIZE]\n"
-    "                   [--quiet]\n"
-    "       glake-dedup --socket PATH --stats\n"
-    "Serves cross-process deduplication of read-only memory on the Unix socket PATH until\n"
-    "SIGTERM or SIGINT. Only processes of this user connect (socket mode 0600), and members of\n"
-    "the group NAME when given (mode 0660, the socket given to that group). A second broker on\n"
-    "the same PATH exits at once with status 0 and says so.\n"
-    "\n"
-    "  --socket PATH      the socket (PATH.lock beside it marks the broker that owns it)\n"
-    "  --device N         share device memory of GPU N (CUDA allocations exported by the clients,\n"
-    "                     such as glake_torch.share_weights) instead of host memory; needs the\n"
-    "                     build with CUDA (glake-dedup-cuda)\n"
-    "  --group NAME       also admit the members of this group\n"
-    "  --max-objects N    index at most N distinct objects (each holds one descriptor)\n"
-    "  --max-client-bytes SIZE\n"
-    "                     each connection may have at most SIZE bytes (e.g. 16G) of objects it\n"
-    "                     stored indexed; sharing what is indexed already is not counted\n"
-    "  --stats            print a running broker's counters and exit\n"
-    "  --quiet            no start and stop lines on stderr\n"
-    "  -h, --help         this text\n";
-
-[[noreturn]] void fail_usage(const std::string& message) {
-  std::fprintf(stderr, "glake-dedup: %s\n%s", message.c_str(), usage);
-  std::exit(2);
-}
-
-int print_stats(const std::string& path) {
+int print_stats(const std::string& path, bool json) {
   glake::dedup_client_options options;
   options.report = [](std::string_view) {};
   glake::dedup_client<> client(path, options);
@@ -63,9 +38,16 @@ int print_stats(const std::string& path) {
     return 1;
   }
   // The query's own connection is one of the clients.
+  const std::uint64_t clients = s->clients - 1;
+  if (json) {
+    std::printf("{\"clients\":%" PRIu64 ",\"objects\":%" PRIu64 ",\"object_bytes\":%" PRIu64 ",\"references\":%" PRIu64
+                ",\"publishes\":%" PRIu64 ",\"shared\":%" PRIu64 ",\"refused\":%" PRIu64 "}\n",
+                clients, s->objects, s->object_bytes, s->references, s->publishes, s->shared, s->refused);
+    return 0;
+  }
   std::printf("clients %" PRIu64 "\nobjects %" PRIu64 "\nobject_bytes %" PRIu64 "\nreferences %" PRIu64
               "\npublishes %" PRIu64 "\nshared %" PRIu64 "\nrefused %" PRIu64 "\n",
-              s->clients - 1, s->objects, s->object_bytes, s->references, s->publishes, s->shared, s->refused);
+              clients, s->objects, s->object_bytes, s->references, s->publishes, s->shared, s->refused);
   return 0;
 }
 
@@ -88,55 +70,60 @@ int main(int argc, char** argv) {
   std::string path;
   std::optional<std::string> group_name;
   glake::dedup_broker_options options;
-  bool stats = false, quiet = false;
+  bool stats = false, json = false, quiet = false;
   std::optional<int> device;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view arg = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) fail_usage(std::string(arg) + " needs a value");
-      return argv[++i];
-    };
-    if (arg == "--socket") {
-      path = value();
-    } else if (arg == "--device") {
-      const std::string text = value();
-      char* end = nullptr;
-      errno = 0;
-      const long n = std::strtol(text.c_str(), &end, 10);
-      if (errno != 0 || end == text.c_str() || *end != '\0' || n < 0 || n > 1023) {
-        fail_usage("--device takes a GPU ordinal, not '" + text + "'");
-      }
-      device = static_cast<int>(n);
-    } else if (arg == "--group") {
-      group_name = value();
-    } else if (arg == "--max-objects") {
-      const std::string text = value();
-      char* end = nullptr;
-      errno = 0;
-      const unsigned long long n = std::strtoull(text.c_str(), &end, 10);
-      if (errno != 0 || end == text.c_str() || *end != '\0' || n == 0) fail_usage("--max-objects takes a positive number, not '" + text + "'");
-      options.max_objects = static_cast<std::size_t>(n);
-    } else if (arg == "--max-client-bytes") {
-      const std::string text = value();
-      std::size_t n = 0;
-      if (glake::detail::parse_size(text, n) != glake::detail::parse_status::ok || n == 0) {
-        fail_usage("--max-client-bytes takes a positive size (1048576, 512M, 16G), not '" + text + "'");
-      }
-      options.max_client_bytes = n;
-    } else if (arg == "--stats") {
-      stats = true;
-    } else if (arg == "--quiet") {
-      quiet = true;
-    } else if (arg == "-h" || arg == "--help") {
-      std::fputs(usage, stdout);
-      return 0;
-    } else {
-      fail_usage("unknown argument '" + std::string(arg) + "'");
-    }
-  }
-  if (path.empty()) fail_usage("--socket PATH is required");
+  glake::tools::arg_parser args(
+      "glake-dedup", GLAKE_TOOLS_VERSION,
+      "glake-dedup --socket PATH [--device N] [--group NAME] [--max-objects N] [--max-client-bytes SIZE]\n"
+      "            [--quiet]\n"
+      "glake-dedup --socket PATH --stats [--json]",
+      "Serves cross-process deduplication of read-only memory on the Unix socket PATH until\n"
+      "SIGTERM or SIGINT. Only processes of this user connect (socket mode 0600), and members of\n"
+      "the group NAME when given (mode 0660, the socket given to that group). A second broker on\n"
+      "the same PATH exits at once with status 0 and says so.");
+  args.option("--socket", "PATH", "the socket (PATH.lock beside it marks the broker that owns it)", path)
+      .option("--device", "N",
+              "share device memory of GPU N (CUDA allocations exported by the clients,\n"
+              "such as glake_torch.share_weights) instead of host memory; needs the\n"
+              "build with CUDA (glake-dedup-cuda)",
+              [&](const std::string& text) {
+                char* end = nullptr;
+                errno = 0;
+                const long n = std::strtol(text.c_str(), &end, 10);
+                if (errno != 0 || end == text.c_str() || *end != '\0' || n < 0 || n > 1023) {
+                  throw glake::tools::usage_error("takes a GPU ordinal, not '" + text + "'");
+                }
+                device = static_cast<int>(n);
+              })
+      .option("--group", "NAME", "also admit the members of this group", group_name)
+      .option("--max-objects", "N", "index at most N distinct objects (each holds one descriptor)",
+              [&](const std::string& text) {
+                char* end = nullptr;
+                errno = 0;
+                const unsigned long long n = std::strtoull(text.c_str(), &end, 10);
+                if (errno != 0 || end == text.c_str() || *end != '\0' || n == 0 || text[0] == '-') {
+                  throw glake::tools::usage_error("takes a positive number, not '" + text + "'");
+                }
+                options.max_objects = static_cast<std::size_t>(n);
+              })
+      .option("--max-client-bytes", "SIZE",
+              "each connection may have at most SIZE bytes (e.g. 16G) of objects it\n"
+              "stored indexed; sharing what is indexed already is not counted",
+              [&](const std::string& text) {
+                std::size_t n = 0;
+                if (glake::detail::parse_size(text, n) != glake::detail::parse_status::ok || n == 0) {
+                  throw glake::tools::usage_error("takes a positive size (1048576, 512M, 16G), not '" + text + "'");
+                }
+                options.max_client_bytes = n;
+              })
+      .flag("--stats", "print a running broker's counters and exit", stats)
+      .flag("--json", "with --stats: the counters as one JSON object", json)
+      .flag("--quiet", "no start and stop lines on stderr", quiet);
+  args.parse_or_exit(argc, argv);
+  if (path.empty()) args.fail("--socket PATH is required");
+  if (json && !stats) args.fail("--json goes with --stats");
   return glake::tools::serve("glake-dedup", quiet, [&]() -> int {
-    if (stats) return print_stats(path);
+    if (stats) return print_stats(path, json);
     if (group_name) {
       options.group = glake::tools::group_id("glake-dedup", *group_name);
       if (!options.group) return 2;

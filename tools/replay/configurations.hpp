@@ -20,6 +20,7 @@
 #include "glake/config_io.hpp"
 #include "glake/policies/eviction.hpp"
 #include "glake/policies/stitching.hpp"
+#include "snapshot.hpp"
 
 namespace glake::replay {
 
@@ -49,6 +50,12 @@ class replayable {
   virtual statistics stats() const = 0;
   virtual void verify() const = 0;
   virtual const sim_device& device() const = 0;
+  /// From now on tells `history` (null: nobody) of segment changes and free_completed, where the
+  /// allocator reports them (an observable_allocator); false where it does not.
+  virtual bool observe(replay_history*) { return false; }
+  /// Shows the allocator's segments, blocks and stitched ranges to `w` where it can (a
+  /// snapshotting_allocator); false where it cannot.
+  virtual bool visit_state(snapshot_state_writer&) const { return false; }
 };
 
 template <allocator Allocator>
@@ -66,6 +73,22 @@ class replayable_allocator final : public replayable {
   statistics stats() const override { return allocator_.stats(); }
   void verify() const override { allocator_.verify(); }
   const sim_device& device() const override { return device_; }
+  bool observe(replay_history* history) override {
+    if constexpr (observable_allocator<Allocator>) {
+      allocator_.set_memory_observer(history != nullptr ? &replay_history::observe : nullptr, history);
+      return true;
+    } else {
+      return false;
+    }
+  }
+  bool visit_state(snapshot_state_writer& w) const override {
+    if constexpr (snapshotting_allocator<Allocator>) {
+      allocator_.visit_state(w);
+      return true;
+    } else {
+      return false;
+    }
+  }
   std::optional<free_breakdown> free_memory() const override {
     if constexpr (requires { allocator_.free_memory(); }) {
       const auto r = allocator_.free_memory();

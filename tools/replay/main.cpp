@@ -2,11 +2,15 @@
 // simulated backend and reports memory, failures, driver calls and modeled driver time.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -14,8 +18,12 @@
 #include "glake/config.hpp"
 #include "glake/config_io.hpp"
 #include "glake/errors.hpp"
+#include "../args.hpp"
+#include "../json.hpp"
 #include "configurations.hpp"
+#include "progress.hpp"
 #include "replay.hpp"
+#include "snapshot.hpp"
 #include "svg_plot.hpp"
 #include "trace.hpp"
 
@@ -24,25 +32,6 @@ namespace {
 using namespace glake;
 using namespace glake::replay;
 
-constexpr const char* usage =
-    "usage: glake-replay [options] TRACE...\n"
-    "Replays allocation traces (a,<id>,<bytes>,<stream> / f,<id> / S,<bytes> / U,<bytes>; gzip or plain)\n"
-    "through named allocator configurations on a simulated GPU, in trace order, honouring streams.\n"
-    "\n"
-    "options:\n"
-    "  -a, --allocators LIST   comma-separated configurations (default: all); see --list\n"
-    "      --list              list the configurations and exit\n"
-    "      --capacity SIZE     device memory, e.g. 80GiB (default 1TiB: never binds); with it, a\n"
-    "                          request the device cannot hold is reported as failed\n"
-    "      --json              one JSON object per trace and configuration, one per line\n"
-    "      --plot DIR          write DIR/<trace>.svg: reserved bytes per configuration over time\n"
-    "      --training-seconds S  also print modeled driver time as a share of S seconds\n"
-    "      --glake-conf TEXT   settings over glake's, as GLAKE_ALLOC_CONF (e.g. max_handle:64MiB)\n"
-    "      --max-trace-bytes SIZE  refuse a trace whose text (inflated) is longer (default 1GiB)\n"
-    "      --max-events N      refuse a trace of more events (default 33554432)\n"
-    "      --quiet             no progress on stderr\n"
-    "  -h, --help              this text\n";
-
 struct options {
   std::vector<std::string> traces;
   std::vector<std::string> allocators;
@@ -50,6 +39,8 @@ struct options {
   bool json = false;
   bool quiet = false;
   std::string plot_dir;
+  std::string snapshot_dir;
+  std::size_t snapshot_entries = 100'000;
   double training_seconds = 0;
   std::string glake_conf;
   glake::replay::trace_limits limits;
@@ -60,100 +51,94 @@ std::string shown(std::string_view text, std::size_t limit = std::string_view::n
   return glake::replay::detail::printable(text, limit);
 }
 
-[[noreturn]] void fail_usage(const std::string& message) {
-  std::fprintf(stderr, "glake-replay: %s\n%s", shown(message, 300).c_str(), usage);
-  std::exit(2);
-}
-
-std::size_t parse_size(const std::string& text, const char* option = "--capacity") {
+/// A size with a suffix (80GiB, 512M), as config strings read them.
+std::size_t parse_size(const std::string& text) {
   // The config parser already knows sizes with suffixes; reuse it through a one-key string.
   config c;
   try {
     c.apply(("memory_limit:" + text).c_str());
   } catch (const std::exception&) {
-    fail_usage(std::string(option) + ": '" + text + "' is not a size (e.g. 80GiB)");
+    throw glake::tools::usage_error("'" + text + "' is not a size (e.g. 80GiB)");
   }
   return c.memory_limit;
 }
 
-options parse(int argc, char** argv) {
-  options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const auto value = [&]() -> std::string {
-      if (i + 1 >= argc) fail_usage(a + " needs a value");
-      return argv[++i];
-    };
-    if (a == "-h" || a == "--help") {
-      std::fputs(usage, stdout);
-      std::exit(0);
-    } else if (a == "--list") {
-      for (const auto& c : named_configurations()) std::printf("%-20s %s\n", c.name.c_str(), c.description.c_str());
-      std::exit(0);
-    } else if (a == "-a" || a == "--allocators") {
-      std::string list = value();
-      for (std::size_t start = 0; start <= list.size();) {
-        const std::size_t comma = list.find(',', start);
-        const std::string name = list.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-        if (!name.empty()) o.allocators.push_back(name);
-        if (comma == std::string::npos) break;
-        start = comma + 1;
-      }
-    } else if (a == "--capacity") {
-      o.capacity = parse_size(value());
-    } else if (a == "--max-trace-bytes") {
-      o.limits.max_text_bytes = parse_size(value(), "--max-trace-bytes");
-    } else if (a == "--max-events") {
-      const std::string v = value();
-      char* end = nullptr;
-      errno = 0;
-      const unsigned long long n = std::strtoull(v.c_str(), &end, 10);
-      if (errno != 0 || end == v.c_str() || *end != '\0' || n == 0 || v[0] == '-') {
-        fail_usage("--max-events: '" + v + "' is not a positive number");
-      }
-      o.limits.max_events = static_cast<std::size_t>(n);
-    } else if (a == "--json") {
-      o.json = true;
-    } else if (a == "--plot") {
-      o.plot_dir = value();
-    } else if (a == "--training-seconds") {
-      const std::string v = value();
-      char* end = nullptr;
-      o.training_seconds = std::strtod(v.c_str(), &end);
-      if (end == v.c_str() || *end != '\0' || o.training_seconds <= 0) fail_usage("--training-seconds: bad value '" + v + "'");
-    } else if (a == "--glake-conf") {
-      o.glake_conf = value();
-      try {
-        config{}.apply(o.glake_conf.c_str());
-      } catch (const std::exception& e) {
-        fail_usage(std::string("--glake-conf: ") + e.what());
-      }
-    } else if (a == "--quiet") {
-      o.quiet = true;
-    } else if (!a.empty() && a[0] == '-') {
-      fail_usage("unknown option " + a);
-    } else {
-      o.traces.push_back(a);
-    }
+std::size_t parse_count(const std::string& text) {
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long n = std::strtoull(text.c_str(), &end, 10);
+  if (errno != 0 || end == text.c_str() || *end != '\0' || n == 0 || text[0] == '-') {
+    throw glake::tools::usage_error("'" + text + "' is not a positive number");
   }
-  if (o.traces.empty()) fail_usage("no trace given");
-  return o;
+  return static_cast<std::size_t>(n);
 }
 
-std::string json_escape(const std::string& s) {
-  std::string out;
-  for (char ch : s) {
-    if (ch == '"' || ch == '\\') out += '\\';
-    if (static_cast<unsigned char>(ch) < 0x20) {
-      char buffer[8];
-      std::snprintf(buffer, sizeof buffer, "\\u%04x", ch);
-      out += buffer;
-    } else {
-      out += ch;
-    }
-  }
-  return out;
+glake::tools::arg_parser make_parser(options& o) {
+  glake::tools::arg_parser args(
+      "glake-replay", GLAKE_TOOLS_VERSION, "glake-replay [options] TRACE...",
+      "Replays allocation traces (a,<id>,<bytes>,<stream> / f,<id> / S,<bytes> / U,<bytes>; gzip or plain)\n"
+      "through named allocator configurations on a simulated GPU, in trace order, honouring streams.");
+  using glake::tools::usage_error;
+  args.positional("TRACE", "a trace file, gzip or plain (traces/README.md)",
+                  [&o](const std::string& v) { o.traces.push_back(v); },
+                  glake::tools::arg_parser::occurs::one_or_more)
+      .option("-a, --allocators", "LIST", "comma-separated configurations (default: all); see --list",
+              [&o](const std::string& list) {
+                for (std::size_t start = 0; start <= list.size();) {
+                  const std::size_t comma = list.find(',', start);
+                  const std::string name =
+                      list.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+                  if (!name.empty()) o.allocators.push_back(name);
+                  if (comma == std::string::npos) break;
+                  start = comma + 1;
+                }
+              })
+      .flag("--list", "list the configurations and exit",
+            [] {
+              for (const auto& c : named_configurations()) {
+                std::printf("%-20s %s\n", c.name.c_str(), c.description.c_str());
+              }
+              std::exit(0);
+            })
+      .option("--capacity", "SIZE",
+              "device memory, e.g. 80GiB (default 1TiB: never binds); with it, a\n"
+              "request the device cannot hold is reported as failed",
+              [&o](const std::string& v) { o.capacity = parse_size(v); })
+      .flag("--json", "one JSON object per trace and configuration, one per line", o.json)
+      .option("--snapshot", "DIR",
+              "write DIR/<trace>.<configuration>.json: the memory snapshot at the end\n"
+              "and the history before it, as torch.cuda.memory._snapshot() gives them\n"
+              "(tools/README.md: to a pickle for pytorch.org/memory_viz)",
+              o.snapshot_dir)
+      .option("--snapshot-entries", "N", "history entries kept per snapshot, the newest (default 100000)",
+              [&o](const std::string& v) { o.snapshot_entries = parse_count(v); })
+      .option("--plot", "DIR", "write DIR/<trace>.svg: reserved bytes per configuration over time", o.plot_dir)
+      .option("--training-seconds", "S", "also print modeled driver time as a share of S seconds",
+              [&o](const std::string& v) {
+                char* end = nullptr;
+                o.training_seconds = std::strtod(v.c_str(), &end);
+                if (end == v.c_str() || *end != '\0' || !(o.training_seconds > 0)) {
+                  throw usage_error("bad value '" + v + "'");
+                }
+              })
+      .option("--glake-conf", "TEXT", "settings over glake's, as GLAKE_ALLOC_CONF (e.g. max_handle:64MiB)",
+              [&o](const std::string& v) {
+                try {
+                  config{}.apply(v.c_str());
+                } catch (const std::exception& e) {
+                  throw usage_error(e.what());
+                }
+                o.glake_conf = v;
+              })
+      .option("--max-trace-bytes", "SIZE", "refuse a trace whose text (inflated) is longer (default 1GiB)",
+              [&o](const std::string& v) { o.limits.max_text_bytes = parse_size(v); })
+      .option("--max-events", "N", "refuse a trace of more events (default 33554432)",
+              [&o](const std::string& v) { o.limits.max_events = parse_count(v); })
+      .flag("--quiet", "no progress on stderr", o.quiet);
+  return args;
 }
+
+using glake::tools::json_escape;
 
 void print_json(const replay_result& r, std::size_t capacity) {
   std::printf("{\"trace\":\"%s\",\"allocator\":\"%s\",\"events\":%zu,\"peak_active_bytes\":%zu,"
@@ -199,17 +184,50 @@ void print_row(const replay_result& r, double training_seconds) {
   std::printf("\n");
 }
 
+/// Reads a trace, saying how far it got on stderr unless quiet: on a terminal one line rewritten
+/// at most 4 times a second, elsewhere a line a second; nothing for a trace read within that time.
+trace read_with_progress(const std::string& path, const options& o) {
+  if (o.quiet) return read_trace(path, {}, o.limits);
+  const bool terminal = isatty(STDERR_FILENO) != 0;
+  using namespace std::chrono_literals;
+  progress_throttle throttle(terminal ? 250ms : 1s);
+  bool said = false;
+  const std::string name = shown(path, 200);
+  trace t = read_trace(path, {}, o.limits, [&](std::uint64_t read, std::uint64_t file_bytes) {
+    if (!throttle.due()) return;
+    said = true;
+    std::string line = "glake-replay: reading " + name + ": ";
+    if (file_bytes > 0) {
+      char percent[16];
+      std::snprintf(percent, sizeof percent, "%3.0f%% ",
+                    100.0 * static_cast<double>(std::min(read, file_bytes)) / static_cast<double>(file_bytes));
+      line += percent;
+      line += "(" + format_bytes(read) + " of " + format_bytes(file_bytes) + ")";
+    } else {
+      line += format_bytes(read);
+    }
+    std::fprintf(stderr, terminal ? "\r%s\x1b[K" : "%s\n", line.c_str());
+  });
+  if (said && terminal) std::fprintf(stderr, "\r\x1b[K");
+  return t;
+}
+
 /// Reads one trace and replays it through every chosen configuration, printing as it goes.
 void replay_file(const std::string& path, const options& o, const std::vector<configuration>& chosen,
                  bool show_progress) {
-  const trace t = read_trace(path, {}, o.limits);
+  const trace t = read_with_progress(path, o);
   std::vector<plot_series> plots;
   for (const configuration& c : chosen) {
+    using namespace std::chrono_literals;
+    progress_throttle throttle(250ms);
     const auto progress = [&](double fraction) {
-      std::fprintf(stderr, "\r%s / %s: %3.0f%%", t.name.c_str(), c.name.c_str(), 100.0 * fraction);
+      if (throttle.due()) std::fprintf(stderr, "\r%s / %s: %3.0f%%", t.name.c_str(), c.name.c_str(), 100.0 * fraction);
     };
+    std::optional<replay_snapshot> snapshot;
+    if (!o.snapshot_dir.empty()) snapshot.emplace(o.snapshot_entries);
     replay_result r = replay_trace(t, c, o.capacity, !o.plot_dir.empty(),
-                                   show_progress ? std::function<void(double)>(progress) : nullptr);
+                                   show_progress ? std::function<void(double)>(progress) : nullptr,
+                                   snapshot ? &*snapshot : nullptr);
     if (show_progress) std::fprintf(stderr, "\r%*s\r", 60, "");
     if (o.json) {
       print_json(r, o.capacity);
@@ -218,6 +236,14 @@ void replay_file(const std::string& path, const options& o, const std::vector<co
     }
     std::fflush(stdout);
     if (!o.plot_dir.empty()) plots.push_back({r.allocator, std::move(r.reserved_series), std::move(r.active_series)});
+    if (snapshot) {
+      const std::string file = o.snapshot_dir + "/" + t.name + "." + c.name + ".json";
+      write_text_file(file, snapshot->json);
+      if (!o.quiet) {
+        std::fprintf(stderr, "wrote %s%s\n", shown(file).c_str(),
+                     snapshot->has_segments ? "" : " (allocations only: this configuration shows no segments)");
+      }
+    }
   }
   if (!o.json && t.recorded_peak_reserved > 0) {
     std::printf("%-14s %-20s %9s %11.3f   (the recorded run's own peak reserved, from the trace's S/U lines)\n",
@@ -233,7 +259,9 @@ void replay_file(const std::string& path, const options& o, const std::vector<co
 }  // namespace
 
 int main(int argc, char** argv) {
-  const options o = parse(argc, argv);
+  options o;
+  glake::tools::arg_parser args = make_parser(o);
+  args.parse_or_exit(argc, argv);
   std::vector<configuration> chosen;
   const std::vector<configuration> all = named_configurations(o.glake_conf);
   if (o.allocators.empty()) {
@@ -247,7 +275,7 @@ int main(int argc, char** argv) {
           found = true;
         }
       }
-      if (!found) fail_usage("unknown configuration '" + name + "' (see --list)");
+      if (!found) args.fail("unknown configuration '" + name.substr(0, 300) + "' (see --list)");
     }
   }
   const bool show_progress = !o.quiet && isatty(STDERR_FILENO);

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <new>
 #include <optional>
 #include <stdexcept>
@@ -17,6 +18,7 @@
 
 #include "configurations.hpp"
 #include "latency.hpp"
+#include "snapshot.hpp"
 #include "trace.hpp"
 
 namespace glake::replay {
@@ -55,6 +57,16 @@ struct replay_result {
   std::vector<double> active_series;
 };
 
+/// A replay's snapshot for memory_viz, when asked for (see snapshot.hpp): its history while
+/// replaying, then the snapshot's JSON.
+struct replay_snapshot {
+  explicit replay_snapshot(std::size_t max_entries) : history(max_entries) {}
+  replay_history history;
+  std::string json;           ///< the snapshot at the end of the trace
+  bool has_segments = false;  ///< the configuration showed its segments (a snapshotting_allocator)
+  bool observed = false;      ///< it reported its segment actions (an observable_allocator)
+};
+
 /// An exception that ended a replay, with where it happened: "<source>:<line>: <configuration>,
 /// event <n> (<the event>): <what the exception said>".
 class replay_error : public std::runtime_error {
@@ -90,20 +102,23 @@ inline std::string describe(const trace_event& e) {
 }
 
 inline replay_result replay_events(const trace& t, const configuration& c, std::size_t capacity, bool series,
-                                   const std::function<void(double)>& progress, std::size_t& i);
+                                   const std::function<void(double)>& progress, replay_snapshot* snapshot,
+                                   std::size_t& i);
 
 }  // namespace detail
 
 /// Replays the a/f events of `t` in order through a fresh instance of `c` on a simulated device
 /// of `capacity` bytes. A request the allocator cannot meet counts as failed and its free is
-/// skipped. `progress(fraction)` is called every 1/64 of the trace when given. Any exception
+/// skipped. `progress(fraction)` is called every 1/64 of the trace when given. With `snapshot`,
+/// the replay's memory history and the allocator's state at the end go into it. Any exception
 /// (std::bad_alloc from a host out of memory, a broken allocator invariant) comes out as
 /// replay_error naming the trace's file, the event's line and the configuration.
 inline replay_result replay_trace(const trace& t, const configuration& c, std::size_t capacity, bool series,
-                                  const std::function<void(double)>& progress = {}) {
+                                  const std::function<void(double)>& progress = {},
+                                  replay_snapshot* snapshot = nullptr) {
   std::size_t i = std::numeric_limits<std::size_t>::max();  // not yet at an event
   try {
-    return detail::replay_events(t, c, capacity, series, progress, i);
+    return detail::replay_events(t, c, capacity, series, progress, snapshot, i);
   } catch (const replay_error&) {
     throw;
   } catch (const std::exception& e) {
@@ -121,8 +136,10 @@ inline replay_result replay_trace(const trace& t, const configuration& c, std::s
 
 /// replay_trace's work; `i` tells the caller which event was being replayed when it threw.
 inline replay_result detail::replay_events(const trace& t, const configuration& c, std::size_t capacity, bool series,
-                                           const std::function<void(double)>& progress, std::size_t& i) {
+                                           const std::function<void(double)>& progress, replay_snapshot* snapshot,
+                                           std::size_t& i) {
   std::unique_ptr<replayable> allocator = c.make(capacity);
+  if (snapshot != nullptr) snapshot->observed = allocator->observe(&snapshot->history);
   replay_result r;
   r.trace = t.name;
   r.allocator = c.name;
@@ -146,10 +163,15 @@ inline replay_result detail::replay_events(const trace& t, const configuration& 
   std::int64_t probing = 0;  // CPU time spent in free_memory() probes, not the allocator's
   for (i = 0; i < t.events.size(); ++i) {
     const trace_event& e = t.events[i];
+    if (snapshot != nullptr) snapshot->history.at_event(i + 1);
     if (e.what == trace_event::kind::alloc) {
       // A 0-byte request is PyTorch's too: it gets no memory and nothing fails.
       void* p = e.bytes == 0 ? nullptr : allocator->try_allocate(e.bytes, stream_ref{e.stream});
       mix(reinterpret_cast<std::uintptr_t>(p));
+      if (snapshot != nullptr && e.bytes != 0) {
+        snapshot->history.record(p != nullptr ? memory_action::alloc : memory_action::oom,
+                                 reinterpret_cast<std::uintptr_t>(p), e.bytes, stream_ref{e.stream});
+      }
       if (e.bytes == 0) {
       } else if (p != nullptr) {
         live.emplace(e.id, p);
@@ -161,7 +183,14 @@ inline replay_result detail::replay_events(const trace& t, const configuration& 
     } else if (e.what == trace_event::kind::free) {
       const auto it = live.find(e.id);
       if (it != live.end()) {
+        const auto address = reinterpret_cast<std::uintptr_t>(it->second);
+        if (snapshot != nullptr) {
+          snapshot->history.record(memory_action::free_requested, address, e.bytes, stream_ref{e.stream});
+        }
         allocator->deallocate(it->second, e.bytes, stream_ref{e.stream});
+        if (snapshot != nullptr && !snapshot->observed) {
+          snapshot->history.record(memory_action::free_completed, address, e.bytes, stream_ref{e.stream});
+        }
         active -= e.bytes;
         live.erase(it);
       }
@@ -207,6 +236,12 @@ inline replay_result detail::replay_events(const trace& t, const configuration& 
   r.stitch_evictions = s.stitch_evictions;
   r.peak_allocated_bytes = s.peak_allocated_bytes;
   r.placement_digest = digest;
+  if (snapshot != nullptr) {
+    snapshot_state_writer w;
+    snapshot->has_segments = allocator->visit_state(w);
+    snapshot->json = w.json(snapshot->history.entries());
+    allocator->observe(nullptr);
+  }
   r.driver_calls = allocator->device().calls();
   if (c.model == driver_model::vmm) r.modeled_driver_us = modeled_vmm_us(allocator->device());
   if (allocator->device().violations() != 0) {

@@ -8,10 +8,13 @@
 #include <charconv>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
+#include <functional>
 #include <limits>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -324,10 +327,14 @@ inline trace parse_trace(std::string_view text, std::string_view source = "<memo
   return std::move(builder).finish();
 }
 
+/// Told, after each chunk read_trace reads, the bytes of the file read so far (compressed, for a
+/// gzip file) and the file's size (0 when unknown).
+using read_progress = std::function<void(std::uint64_t read, std::uint64_t file_bytes)>;
+
 namespace detail {
 // The body of read_trace: every chunk of the file through `lines`, then the stream's status.
 inline void read_chunks(gzFile file, const std::string& path, trace_builder& builder, line_splitter& lines,
-                        std::vector<char>& buffer) {
+                        std::vector<char>& buffer, const read_progress& progress, std::uint64_t file_bytes) {
   int read_errno = 0;
   for (;;) {
     errno = 0;
@@ -337,6 +344,10 @@ inline void read_chunks(gzFile file, const std::string& path, trace_builder& bui
       break;
     }
     lines.feed(std::string_view(buffer.data(), static_cast<std::size_t>(n)));
+    if (progress) {
+      const z_off_t offset = gzoffset(file);
+      progress(offset > 0 ? static_cast<std::uint64_t>(offset) : 0, file_bytes);
+    }
   }
   int error = Z_OK;
   std::string_view message = gzerror(file, &error);
@@ -353,8 +364,10 @@ inline void read_chunks(gzFile file, const std::string& path, trace_builder& bui
 /// Reads and checks a trace file. `name` defaults to the file name without directories and
 /// suffixes. zlib reads gzip and plain files alike. Throws trace_error naming the file and line on
 /// bad input (see parse_trace, plus a file that cannot be opened or read and a truncated or corrupt
-/// gzip stream), so nothing is ever replayed from a damaged file.
-inline trace read_trace(const std::string& path, std::string name = {}, trace_limits limits = {}) {
+/// gzip stream), so nothing is ever replayed from a damaged file. `progress`, when given, is told
+/// how far the reading got after each chunk (1 MiB of text).
+inline trace read_trace(const std::string& path, std::string name = {}, trace_limits limits = {},
+                        const read_progress& progress = {}) {
   const std::string source = detail::printable(path);
   errno = 0;
   gzFile file = gzopen(path.c_str(), "rb");
@@ -371,7 +384,9 @@ inline trace read_trace(const std::string& path, std::string name = {}, trace_li
   detail::line_splitter lines(builder);
   std::vector<char> buffer(1 << 20);
   try {
-    detail::read_chunks(file, path, builder, lines, buffer);
+    std::error_code size_error;
+    const std::uintmax_t file_bytes = progress ? std::filesystem::file_size(path, size_error) : 0;
+    detail::read_chunks(file, path, builder, lines, buffer, progress, size_error ? 0 : file_bytes);
   } catch (const std::bad_alloc&) {
     builder.fail_next("out of host memory reading the trace (lower --max-events or --max-trace-bytes)");
   }

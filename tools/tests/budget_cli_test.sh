@@ -2,7 +2,8 @@
 # glake-budget from the command line: starts with a budget in bytes or as a fraction of the
 # device, answers --stats, refuses a second coordinator on the same socket (status 0, says so),
 # stops on SIGTERM and removes its socket; bad arguments are refused; sizes such as 1.5T are read,
-# the descriptor limit is raised, and a path that is not a socket is refused and kept.
+# the descriptor limit is raised, and a path that is not a socket is refused and kept; --stats --json
+# is one JSON object, --version and --help answer, errors name the option.
 set -euo pipefail
 tool=$1
 dir=$(mktemp -d)
@@ -20,6 +21,8 @@ wait_socket "$dir/b.sock"
 stats=$("$tool" --socket "$dir/b.sock" --stats)
 grep -qx 'budget 42949672960' <<<"$stats" || { echo "stats: $stats"; exit 1; }
 grep -qx 'workloads 0' <<<"$stats" || { echo "stats: $stats"; exit 1; }
+json=$("$tool" --socket "$dir/b.sock" --stats --json)
+[[ $json == '{"budget":42949672960,"used":0,"workloads":0,"lines":[]}' ]] || { echo "stats --json: $json"; exit 1; }
 "$tool" --socket "$dir/b.sock" --budget 1G 2>"$dir/second.err"
 grep -q 'another glake budget coordinator' "$dir/second.err"
 kill -TERM "$pid"
@@ -64,8 +67,13 @@ grep -q "$dir/notes.txt" "$dir/notes.err" || { echo "error: $(cat "$dir/notes.er
 if "$tool" --socket "$dir/missing/b.sock" --budget 1G 2>"$dir/missing.err"; then echo "served in a missing directory"; exit 1; fi
 grep -q "$dir/missing/" "$dir/missing.err" || { echo "error: $(cat "$dir/missing.err")"; exit 1; }
 
-for bad in "--budget 0.5" "--budget 1.5 --device-bytes 1G" "--budget 0" "--budget 12X" "--bogus"; do
+for bad in "--budget 0.5" "--budget 1.5 --device-bytes 1G" "--budget 0" "--budget 12X" "--bogus" "--json"; do
   # shellcheck disable=SC2086
   if "$tool" --socket "$dir/x.sock" $bad 2>/dev/null; then echo "accepted: $bad"; exit 1; fi
 done
+# --version and --help answer on stdout with status 0; an error names the option.
+[[ $("$tool" --version) == "glake-budget "[0-9]*.[0-9]*.[0-9]* ]] || { echo "version: $("$tool" --version)"; exit 1; }
+"$tool" --help | grep -q -- '--device-bytes N' || { echo "help"; exit 1; }
+if "$tool" --socket "$dir/x.sock" --device-bytes 0 --budget 1G 2>"$dir/bad.err"; then echo "accepted --device-bytes 0"; exit 1; fi
+grep -q -- "--device-bytes: takes a positive size, not '0'" "$dir/bad.err" || { echo "error: $(cat "$dir/bad.err")"; exit 1; }
 echo "budget_cli: ok"

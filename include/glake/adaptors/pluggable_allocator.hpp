@@ -19,15 +19,17 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
-#include <string_view>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "glake/adaptors/graph_pools.hpp"
+#include "glake/adaptors/pluggable_stats.hpp"
+#include "glake/adaptors/trace_recorder.hpp"
 #include "glake/allocators/concepts.hpp"
 #include "glake/allocators/device_registry.hpp"
 #include "glake/detail/accounting.hpp"
 #include "glake/errors.hpp"
+#include "glake/memory_history.hpp"
 #include "glake/memory_state.hpp"
 #include "glake/statistics.hpp"
 #include "glake/stream.hpp"
@@ -57,285 +59,6 @@ struct no_device_scope {
   explicit no_device_scope(int) noexcept {}
 };
 
-/// The names of the values pluggable_allocator::stats writes, in order: the fields of
-/// `statistics`, its driver calls by kind, the host nanoseconds spent in them by kind, then the
-/// adaptor's own.
-inline constexpr std::array<std::string_view, 44> pluggable_stat_names = {
-    "active_bytes",        "peak_active_bytes",   "allocated_bytes",     "peak_allocated_bytes",
-    "reserved_bytes",      "peak_reserved_bytes", "cached_stitch_bytes", "offloaded_bytes",     "allocations",
-    "deallocations",       "failed_allocations",  "splits",              "merges",
-    "segments_created",    "segments_released",   "stitches",            "stitch_cache_hits",
-    "stitch_repairs",      "stitch_grows",        "stitch_evictions",    "cross_stream_bytes",
-    "device_waits",        "events_recorded",     "event_queries",       "event_ns",
-    "spare_bytes",         "recycled_handles",
-    "driver_create",       "driver_release",      "driver_reserve",      "driver_address_free",
-    "driver_map",          "driver_unmap",        "driver_set_access",
-    "driver_create_ns",    "driver_release_ns",   "driver_reserve_ns",   "driver_address_free_ns",
-    "driver_map_ns",       "driver_unmap_ns",     "driver_set_access_ns",
-    "lifetime_peak_active_bytes", "lifetime_peak_reserved_bytes", "errors"};
-
-namespace detail {
-// The names after the 27 plain statistics are the driver calls in the order of `driver_call`,
-// then the same with "_ns": the time spent in them.
-constexpr bool driver_call_names_match() {
-  constexpr std::size_t plain = 27;
-  for (std::size_t k = 0; k < driver_call_kinds; ++k) {
-    const std::string_view kind = to_string(static_cast<driver_call>(k));
-    const std::string_view count = pluggable_stat_names[plain + k];
-    const std::string_view time = pluggable_stat_names[plain + driver_call_kinds + k];
-    if (count.substr(0, 7) != "driver_" || count.substr(7) != kind) return false;
-    if (time.substr(0, 7) != "driver_" || time.substr(7, kind.size()) != kind) return false;
-    if (time.substr(7 + kind.size()) != "_ns") return false;
-  }
-  return pluggable_stat_names.size() == plain + 2 * driver_call_kinds + 3;
-}
-static_assert(driver_call_names_match(), "pluggable_stat_names is out of step with statistics");
-}  // namespace detail
-
-/// Writes one device's requests in the line format glake-replay reads (traces/README.md):
-/// `a,<id>,<bytes>,<stream>` for each allocation (the bytes asked for), `f,<id>` for each free,
-/// and `S,<bytes>` / `U,<bytes>` whenever the allocator's reserved bytes rose or fell, so the
-/// S/U lines sum to the allocator's own reserved bytes and their peak is its peak reserved.
-/// Streams are numbered in order of first use, the null stream being 0; ids count from 0.
-/// Failed requests and frees of unknown pointers become `#` comments, which readers skip.
-///
-/// Thread safety: every member may be called from any thread (one mutex). Write failures are
-/// reported once through `log` and end the recording; nothing here throws.
-class trace_recorder {
- public:
-  /// Takes ownership of `out` (closed by the destructor). `header` lines are written as comments.
-  trace_recorder(std::FILE* out, const std::vector<std::string>& header) : out_(out) {
-    std::setvbuf(out_, nullptr, _IOFBF, std::size_t{1} << 20);
-    for (const auto& line : header) {
-      // Readers take lines of up to 255 characters.
-      std::fprintf(out_, "# %.240s\n", line.c_str());
-    }
-  }
-  trace_recorder(const trace_recorder&) = delete;
-  trace_recorder& operator=(const trace_recorder&) = delete;
-  ~trace_recorder() {
-    if (out_ != nullptr) std::fclose(out_);
-  }
-
-  /// An allocation of `bytes` at `p` on `stream` succeeded; the allocator now reserves `reserved`.
-  void allocated(const void* p, std::size_t bytes, stream_ref stream, std::size_t reserved) noexcept {
-    std::lock_guard guard(mutex_);
-    if (out_ == nullptr) return;
-    try {
-      reserved_locked(reserved);
-      const std::uint64_t id = next_id_++;
-      ids_[reinterpret_cast<std::uintptr_t>(p)] = id;
-      std::fprintf(out_, "a,%llu,%zu,%u\n", static_cast<unsigned long long>(id), bytes, number_of(stream));
-    } catch (...) {
-      fail_locked();
-    }
-  }
-
-  /// `p` is about to be returned. Call before deallocating, so that no allocation that reuses the
-  /// address can be written before this free.
-  void freeing(const void* p) noexcept {
-    std::lock_guard guard(mutex_);
-    if (out_ == nullptr) return;
-    const auto it = ids_.find(reinterpret_cast<std::uintptr_t>(p));
-    if (it == ids_.end()) {
-      std::fprintf(out_, "# free of %p, which this trace did not see allocated\n", p);
-      return;
-    }
-    std::fprintf(out_, "f,%llu\n", static_cast<unsigned long long>(it->second));
-    ids_.erase(it);
-  }
-
-  /// The allocator now reserves `reserved` bytes (after a free or a release of cached memory).
-  void reserved(std::size_t reserved) noexcept {
-    std::lock_guard guard(mutex_);
-    if (out_ != nullptr) reserved_locked(reserved);
-  }
-
-  void failed(std::size_t bytes, stream_ref stream) noexcept {
-    std::lock_guard guard(mutex_);
-    if (out_ == nullptr) return;
-    try {
-      std::fprintf(out_, "# failed: %zu bytes on stream %u\n", bytes, number_of(stream));
-    } catch (...) {
-      fail_locked();
-    }
-  }
-
-  void flush() noexcept {
-    std::lock_guard guard(mutex_);
-    if (out_ != nullptr && std::fflush(out_) != 0) fail_locked();
-  }
-
-  /// False once recording stopped (a write failed).
-  bool recording() const noexcept {
-    std::lock_guard guard(mutex_);
-    return out_ != nullptr;
-  }
-
- private:
-  void reserved_locked(std::size_t now) {
-    if (now > reserved_) std::fprintf(out_, "S,%zu\n", now - reserved_);
-    if (now < reserved_) std::fprintf(out_, "U,%zu\n", reserved_ - now);
-    reserved_ = now;
-  }
-  std::uint32_t number_of(stream_ref stream) {
-    if (stream == default_stream) return 0;
-    for (const auto& [known, number] : streams_) {
-      if (known == stream) return number;
-    }
-    const auto number = static_cast<std::uint32_t>(streams_.size() + 1);
-    streams_.emplace_back(stream, number);
-    return number;
-  }
-  void fail_locked() noexcept {
-    std::fclose(out_);
-    out_ = nullptr;
-    ids_.clear();
-  }
-
-  mutable std::mutex mutex_;
-  std::FILE* out_;
-  std::uint64_t next_id_ = 0;
-  std::size_t reserved_ = 0;
-  std::unordered_map<std::uintptr_t, std::uint64_t> ids_;
-  std::vector<std::pair<stream_ref, std::uint32_t>> streams_;
-};
-
-/// One entry of a device's memory history: PyTorch's trace entry (action, addr, size, stream,
-/// time_us) and the device.
-struct history_entry {
-  memory_action action = memory_action::alloc;
-  std::uintptr_t address = 0;
-  std::size_t size = 0;
-  stream_ref stream{};
-  std::uint64_t time_us = 0;  ///< microseconds since the Unix epoch
-  int device = 0;
-};
-
-/// The newest `capacity` history entries of one device, in a ring (PyTorch's
-/// `_record_memory_history(max_entries=...)`): the ring is allocated by reset, so recording
-/// never allocates; once full, each entry replaces the oldest.
-/// Thread safety: every member may be called from any thread (one mutex); `record` is noexcept
-/// and may be called under an allocator's lock (nothing here calls back).
-class memory_history {
- public:
-  /// Empties the history and keeps at most `capacity` entries from now on (0: none).
-  void reset(std::size_t capacity) {
-    std::vector<history_entry> ring(capacity);
-    std::lock_guard guard(mutex_);
-    ring_.swap(ring);
-    next_ = 0;
-    count_ = 0;
-  }
-
-  void record(const history_entry& e) noexcept {
-    std::lock_guard guard(mutex_);
-    if (ring_.empty()) return;
-    ring_[next_] = e;
-    next_ = next_ + 1 == ring_.size() ? 0 : next_ + 1;
-    count_ = std::min(count_ + 1, ring_.size());
-  }
-
-  /// The entries kept, oldest first.
-  std::vector<history_entry> entries() const {
-    std::lock_guard guard(mutex_);
-    std::vector<history_entry> out;
-    out.reserve(count_);
-    const std::size_t first = count_ < ring_.size() ? 0 : next_;
-    for (std::size_t i = 0; i < count_; ++i) out.push_back(ring_[(first + i) % ring_.size()]);
-    return out;
-  }
-
-  std::size_t capacity() const {
-    std::lock_guard guard(mutex_);
-    return ring_.size();
-  }
-
- private:
-  mutable std::mutex mutex_;
-  std::vector<history_entry> ring_;
-  std::size_t next_ = 0;   // where the next entry goes
-  std::size_t count_ = 0;  // entries kept (at most ring_.size())
-};
-
-namespace detail {
-/// Adds only the counts (calls, events, driver calls and their time), which never go down.
-inline void accumulate_counts(statistics& into, const statistics& s) noexcept {
-  for (auto [to, from] : {std::pair{&into.allocations, s.allocations}, {&into.deallocations, s.deallocations},
-                          {&into.failed_allocations, s.failed_allocations}, {&into.splits, s.splits},
-                          {&into.merges, s.merges}, {&into.segments_created, s.segments_created},
-                          {&into.segments_released, s.segments_released}, {&into.stitches, s.stitches},
-                          {&into.stitch_cache_hits, s.stitch_cache_hits}, {&into.stitch_repairs, s.stitch_repairs},
-                          {&into.stitch_grows, s.stitch_grows}, {&into.stitch_evictions, s.stitch_evictions},
-                          {&into.cross_stream_bytes, s.cross_stream_bytes}, {&into.device_waits, s.device_waits},
-                          {&into.events_recorded, s.events_recorded}, {&into.event_queries, s.event_queries},
-                          {&into.event_ns, s.event_ns}, {&into.recycled_handles, s.recycled_handles}}) {
-    *to += from;
-  }
-  for (std::size_t k = 0; k < driver_call_kinds; ++k) {
-    into.driver_calls.counts[k] += s.driver_calls.counts[k];
-    into.driver_time.ns[k] += s.driver_time.ns[k];
-  }
-}
-/// Adds `s`'s values to `into`, peaks included: the sum of several allocators' peaks bounds
-/// their combined peak from above (it is exact when the peaks coincide).
-inline void accumulate(statistics& into, const statistics& s) noexcept {
-  into.active_bytes += s.active_bytes;
-  into.peak_active_bytes += s.peak_active_bytes;
-  into.allocated_bytes += s.allocated_bytes;
-  into.peak_allocated_bytes += s.peak_allocated_bytes;
-  into.reserved_bytes += s.reserved_bytes;
-  into.peak_reserved_bytes += s.peak_reserved_bytes;
-  into.cached_stitch_bytes += s.cached_stitch_bytes;
-  into.offloaded_bytes += s.offloaded_bytes;
-  into.spare_bytes += s.spare_bytes;
-  accumulate_counts(into, s);
-}
-}  // namespace detail
-
-/// The file a device's trace goes to, from a pattern: `%d` becomes the device, `%p` the process
-/// id, `%r` the `rank` given (e.g. torchrun's RANK; "0" when empty) and `%%` a percent sign. A
-/// pattern without `%d` names device 0's file; other devices insert `.dev<N>` before a final
-/// `.trace` (or append it), so that several devices never share a file.
-inline std::string trace_file_name(std::string_view pattern, int device, long pid, std::string_view rank) {
-  std::string out;
-  bool has_device = false;
-  for (std::size_t i = 0; i < pattern.size(); ++i) {
-    if (pattern[i] != '%' || i + 1 == pattern.size()) {
-      out += pattern[i];
-      continue;
-    }
-    switch (pattern[++i]) {
-      case 'd':
-        out += std::to_string(device);
-        has_device = true;
-        break;
-      case 'p':
-        out += std::to_string(pid);
-        break;
-      case 'r':
-        out += rank.empty() ? std::string_view("0") : rank;
-        break;
-      case '%':
-        out += '%';
-        break;
-      default:
-        out += '%';
-        out += pattern[i];
-    }
-  }
-  if (!has_device && device != 0) {
-    const std::string tag = ".dev" + std::to_string(device);
-    constexpr std::string_view suffix = ".trace";
-    if (out.size() > suffix.size() && out.compare(out.size() - suffix.size(), suffix.size(), suffix) == 0) {
-      out.insert(out.size() - suffix.size(), tag);
-    } else {
-      out += tag;
-    }
-  }
-  return out;
-}
-
 /// The C face of glake for a framework that loads an allocator as plain functions (PyTorch's
 /// CUDAPluggableAllocator): allocate(bytes, device, stream), deallocate(p, bytes, device, stream),
 /// record_stream, release_cached, statistics and peak resets, for any device id below
@@ -351,21 +74,17 @@ inline std::string trace_file_name(std::string_view pattern, int device, long pi
 /// `trace_pattern` is set, each device's requests are written to trace_file_name(pattern,
 /// device, pid, rank) by a trace_recorder (requests served by private pools are left out).
 ///
-/// Private pools (CUDA graphs; for a memory_retaining_allocator): between
-/// begin_allocate_to_pool(device, pool, filter) and end_allocate_to_pool(device, pool), requests
-/// on `device` whose stream passes `filter` are served by the pool's own Allocator, made by the
-/// same factory and told to retain its memory (every address it handed out keeps its memory,
-/// which the graph's replays use). A block of a pool goes back to that pool only, whenever it is
-/// freed: the pool's free memory serves the pool's later requests (a later capture into it) and
-/// nothing else. release_pool drops one use of the pool (begin adds one, as PyTorch's
-/// use_count); a pool without uses gives its free memory back to the backend at once and the
-/// rest as its blocks are freed (PyTorch waits for the next empty_cache). A pool out of memory has the
-/// general allocator's cached memory released and tries once more. Pools are found by a map
-/// from pointer to pool: while a device has pools, each free and record_stream there takes one
-/// mutex and one hash lookup more; without pools, one atomic load. Statistics are the sums over
-/// the general allocator and the pools (peaks summed: an upper bound of the combined peak);
-/// the counts of pools given back stay in them. The memory limit applies to the general
-/// allocator only.
+/// Private pools (CUDA graphs; for a memory_retaining_allocator): each device's graph_pools
+/// (adaptors/graph_pools.hpp has the state machine), whose allocators the same factory makes.
+/// Between begin_allocate_to_pool(device, pool, filter) and end_allocate_to_pool(device, pool),
+/// requests on `device` whose stream passes `filter` go to the pool; its blocks go back to it
+/// only; release_pool drops a use, and a pool without uses gives its memory back as its blocks
+/// are freed. A pool out of memory has the general allocator's cached memory released and tries
+/// once more. While a device has pools, each free and record_stream there takes one mutex and
+/// one hash lookup more; without pools, one atomic load. Statistics are the sums over the
+/// general allocator and the pools (peaks summed: an upper bound of the combined peak); the
+/// counts of pools given back stay in them. The memory limit applies to the general allocator
+/// only.
 ///
 /// Memory history (record_history; off by default, then one atomic load per call): per device,
 /// the newest `max_entries` of alloc, free_requested and oom (seen here), and, for an
@@ -383,12 +102,35 @@ inline std::string trace_file_name(std::string_view pattern, int device, long pi
 /// DeviceScope: constructed around each allocator call with the device id (see no_device_scope).
 template <pluggable_allocatable Allocator, class DeviceScope = no_device_scope, std::size_t MaxDevices = 64>
 class pluggable_allocator {
+  struct slot;
+  // What a device's pools ask of it: a new allocator (observed while the history records), the
+  // general allocator's cache when a pool is short, a history entry for each pool block's free,
+  // and the log for failures swallowed.
+  struct pool_host {
+    pluggable_allocator* self;
+    slot* s;
+    std::unique_ptr<Allocator> make_pool_allocator() {
+      auto made = self->make_(s->device);
+      if (made != nullptr && self->history_on_.load(std::memory_order_relaxed)) observe(*made, *s, true);
+      return made;
+    }
+    void relieve() { s->allocator->release_cached(); }
+    void freeing(const void* p, std::size_t bytes, stream_ref stream) noexcept {
+      if (self->history_on_.load(std::memory_order_relaxed)) self->note_free_requested(*s, p, bytes, stream);
+    }
+    void report(const std::string& message) noexcept {
+      self->error("glake: %s (device %d)", message.c_str(), s->device);
+    }
+  };
+
  public:
   using factory = std::function<std::unique_ptr<Allocator>(int device)>;
   /// A private pool's name (PyTorch's MempoolId_t).
-  using pool_id = std::pair<std::uint64_t, std::uint64_t>;
+  using pool_id = graph_pool_id;
   /// Which streams' requests a capture sends to its pool.
   using stream_filter = std::function<bool(stream_ref)>;
+  /// A device's private pools: the state machine of CUDA graphs' pools (graph_pools.hpp).
+  using pools_type = graph_pools<Allocator, pool_host>;
 
   struct options {
     std::string trace_pattern;         ///< empty: no trace
@@ -423,11 +165,9 @@ class pluggable_allocator {
     try {
       DeviceScope scope(device);
       s = &registry_.for_device(device);
-      if (s->captures.load(std::memory_order_acquire) != 0) {
-        if (void* p = allocate_in_pool(*s, bytes, stream)) {
-          note(*s, memory_action::alloc, p, bytes, stream);
-          return p;
-        }
+      if (void* p = s->pools.allocate(bytes, stream)) {
+        note(*s, memory_action::alloc, p, bytes, stream);
+        return p;
       }
       void* p = s->allocator->allocate(bytes, stream);
       after_allocate(*s, p, bytes, stream);
@@ -457,7 +197,7 @@ class pluggable_allocator {
         error("glake: free of %p (%zu bytes) on device %d, which has no glake allocator", p, bytes, device);
         return;
       }
-      if (s->pools.load(std::memory_order_acquire) != 0 && free_in_pool(*s, p, bytes, stream)) return;
+      if (s->pools.deallocate(p, bytes, stream)) return;
       const bool history = history_on_.load(std::memory_order_relaxed);
       // Unchecked builds do not catch foreign pointers themselves; ask first. So does the
       // history, which must not show a free that did not happen.
@@ -484,21 +224,16 @@ class pluggable_allocator {
       bool found = false;
       registry_.for_each([&](int device, slot& s) {
         if (found) return;
-        Allocator* owner = nullptr;
-        std::unique_lock<std::mutex> pools_lock;
-        if (s.pools.load(std::memory_order_acquire) != 0) {
-          pools_lock = std::unique_lock(s.pools_mutex);
-          if (const auto it = s.pool_of.find(reinterpret_cast<std::uintptr_t>(p)); it != s.pool_of.end()) {
-            owner = it->second->allocator.get();
+        const auto record = [&](Allocator& owner) {
+          found = true;
+          if constexpr (stream_recording_allocator<Allocator>) {
+            DeviceScope scope(device);
+            owner.record_stream(p, stream);
+          } else {
+            (void)owner;
           }
-        }
-        if (owner == nullptr && s.allocator->owns(p)) owner = s.allocator.get();
-        if (owner == nullptr) return;
-        found = true;
-        if constexpr (stream_recording_allocator<Allocator>) {
-          DeviceScope scope(device);
-          owner->record_stream(p, stream);
-        }
+        };
+        if (!s.pools.with_owner(p, record) && s.allocator->owns(p)) record(*s.allocator);
       });
       if (!found) error("glake: record_stream of %p, which is not a live allocation of any device", p);
     } catch (const std::exception& e) {
@@ -685,10 +420,7 @@ class pluggable_allocator {
   void reset_peak(int device) noexcept {
     each_device(device, "resetting peaks", [](slot& s) {
       statistics before = s.allocator->reset_peaks();
-      if (s.pools.load(std::memory_order_acquire) != 0) {
-        std::lock_guard guard(s.pools_mutex);
-        for (const auto& pool : s.pool_list) detail::accumulate(before, pool->allocator->reset_peaks());
-      }
+      s.pools.for_each([&](pool_id, Allocator& pool) { detail::accumulate(before, pool.reset_peaks()); });
       slot::raise(s.lifetime_active, before.peak_active_bytes);
       slot::raise(s.lifetime_reserved, before.peak_reserved_bytes);
     });
@@ -705,21 +437,7 @@ class pluggable_allocator {
       if (s != nullptr) {
         DeviceScope scope(device);
         const statistics st = combined_stats(*s);
-        std::size_t i = 0;
-        for (const std::uint64_t value :
-             {std::uint64_t{st.active_bytes}, std::uint64_t{st.peak_active_bytes},
-              std::uint64_t{st.allocated_bytes}, std::uint64_t{st.peak_allocated_bytes},
-              std::uint64_t{st.reserved_bytes}, std::uint64_t{st.peak_reserved_bytes},
-              std::uint64_t{st.cached_stitch_bytes}, std::uint64_t{st.offloaded_bytes}, st.allocations,
-              st.deallocations, st.failed_allocations,
-              st.splits, st.merges, st.segments_created, st.segments_released, st.stitches,
-              st.stitch_cache_hits, st.stitch_repairs, st.stitch_grows, st.stitch_evictions, st.cross_stream_bytes,
-              st.device_waits, st.events_recorded, st.event_queries, st.event_ns,
-              std::uint64_t{st.spare_bytes}, st.recycled_handles}) {
-          v[i++] = value;
-        }
-        for (const std::uint64_t calls : st.driver_calls.counts) v[i++] = calls;
-        for (const std::uint64_t ns : st.driver_time.ns) v[i++] = ns;
+        std::size_t i = detail::write_statistics(st, v.data());
         v[i++] = std::max<std::uint64_t>(s->lifetime_active.load(std::memory_order_relaxed), st.peak_active_bytes);
         v[i++] = std::max<std::uint64_t>(s->lifetime_reserved.load(std::memory_order_relaxed), st.peak_reserved_bytes);
       }
@@ -744,36 +462,7 @@ class pluggable_allocator {
   {
     try {
       DeviceScope scope(device);
-      slot& s = registry_.for_device(device);
-      std::lock_guard guard(s.pools_mutex);
-      for (const capture& c : s.capture_list) {
-        if (c.pool == pool) {
-          error("glake: device %d is already allocating to pool (%llu, %llu)", device,
-                static_cast<unsigned long long>(pool.first), static_cast<unsigned long long>(pool.second));
-          return false;
-        }
-      }
-      private_pool* p = find_pool(s, pool);
-      if (p == nullptr) {
-        auto made = std::make_unique<private_pool>();
-        made->id = pool;
-        made->allocator = make_(device);
-        if (made->allocator == nullptr) throw std::runtime_error("the allocator factory returned null");
-        made->allocator->retain_memory(true);
-        if (history_on_.load(std::memory_order_relaxed)) observe(*made->allocator, s, true);
-        s.pool_list.reserve(s.pool_list.size() + 1);
-        p = s.pool_list.emplace_back(std::move(made)).get();
-        s.pools.store(s.pool_list.size(), std::memory_order_release);
-        s.had_pools.store(true, std::memory_order_release);
-      } else if (p->uses == 0) {
-        // Released with live blocks, it stopped retaining its memory (release_unused); a new
-        // capture into it needs every address kept again.
-        p->allocator->retain_memory(true);
-      }
-      s.capture_list.reserve(s.capture_list.size() + 1);
-      ++p->uses;
-      s.capture_list.push_back(capture{pool, std::move(filter)});
-      s.captures.store(s.capture_list.size(), std::memory_order_release);
+      registry_.for_device(device).pools.begin(pool, std::move(filter));
       return true;
     } catch (const std::exception& e) {
       error("glake: beginning to allocate to pool (%llu, %llu) on device %d failed: %s",
@@ -785,44 +474,34 @@ class pluggable_allocator {
 
   /// Requests stop going to `pool` (PyTorch's endAllocateToPool); its blocks still return to it.
   void end_allocate_to_pool(int device, pool_id pool) noexcept {
-    with_pools(device, "ending allocation to a pool", [&](slot& s) {
-      std::erase_if(s.capture_list, [&](const capture& c) { return c.pool == pool; });
-      s.captures.store(s.capture_list.size(), std::memory_order_release);
-    });
+    with_pools(device, "ending allocation to a pool", [&](pools_type& p) { p.end(pool); });
   }
 
   /// One use of `pool` ends (PyTorch's releasePool, when a graph is reset or destroyed). Once
   /// no use is left, its memory goes back to the backend as soon as it has no live block.
+  /// A pool not in use is logged and counted as an error.
   void release_pool(int device, pool_id pool) noexcept {
-    with_pools(device, "releasing a pool", [&](slot& s) {
-      private_pool* p = find_pool(s, pool);
-      if (p == nullptr || p->uses == 0) {
-        error("glake: release of pool (%llu, %llu) on device %d, which is not in use",
-              static_cast<unsigned long long>(pool.first), static_cast<unsigned long long>(pool.second), device);
-        return;
-      }
-      if (--p->uses != 0) return;
-      if (p->live == 0) return retire(s, p);
-      // Blocks still live (a library's workspace allocated during the capture, a tensor the user
-      // kept): what is free goes back now, the rest as it is freed.
-      release_unused(s, p);
-    });
+    with_pools(device, "releasing a pool", [&](pools_type& p) { p.release(pool); });
   }
 
   /// How many private pools `device` has now (released ones with live blocks included).
   std::size_t pool_count(int device) const noexcept {
     slot* s = registry_.find(device);
-    return s == nullptr ? 0 : s->pools.load(std::memory_order_acquire);
+    return s == nullptr ? 0 : s->pools.size();
+  }
+
+  /// `device`'s private pools (the state machine itself: use counts, captures under way, live
+  /// blocks), or null when the device has no allocator yet; usage_error for a device id out of
+  /// range.
+  const pools_type* pools(int device) const {
+    slot* s = registry_.find(device);
+    return s == nullptr ? nullptr : &s->pools;
   }
 
   /// The statistics of `device`'s private pool `pool`, if it exists.
   std::optional<statistics> pool_stats(int device, pool_id pool) const {
     slot* s = registry_.find(device);
-    if (s == nullptr) return std::nullopt;
-    std::lock_guard guard(s->pools_mutex);
-    const private_pool* p = find_pool(*s, pool);
-    if (p == nullptr) return std::nullopt;
-    return p->allocator->stats();
+    return s == nullptr ? std::nullopt : s->pools.stats(pool);
   }
 
   // ------------------------------------------------------------------ memory history, state
@@ -869,13 +548,10 @@ class pluggable_allocator {
     DeviceScope scope(device);
     v.allocator(pool_id{0, 0});
     s->allocator->visit_state(v);
-    if (s->pools.load(std::memory_order_acquire) != 0) {
-      std::lock_guard guard(s->pools_mutex);
-      for (const auto& pool : s->pool_list) {
-        v.allocator(pool->id);
-        pool->allocator->visit_state(v);
-      }
-    }
+    s->pools.for_each([&](pool_id id, const Allocator& pool) {
+      v.allocator(id);
+      pool.visit_state(v);
+    });
     return true;
   }
 
@@ -900,14 +576,10 @@ class pluggable_allocator {
     bool found = false;
     registry_.for_each([&](int device, slot& s) {
       if (found) return;
-      if (s.pools.load(std::memory_order_acquire) != 0) {
-        std::lock_guard pools_lock(s.pools_mutex);
-        if (s.pool_of.contains(reinterpret_cast<std::uintptr_t>(p))) {
-          throw usage_error(usage_error::kind::bad_argument,
-                            "glake: " + std::string(to_far ? "offload" : "prefetch") + " of " +
-                                detail::pointer_text(p) +
-                                ": it is in a CUDA graph's private pool, whose mappings must not change");
-        }
+      if (s.pools.holds(p)) {
+        throw usage_error(usage_error::kind::bad_argument,
+                          "glake: " + std::string(to_far ? "offload" : "prefetch") + " of " + detail::pointer_text(p) +
+                              ": it is in a CUDA graph's private pool, whose mappings must not change");
       }
       if (!s.allocator->owns(p)) return;
       found = true;
@@ -936,18 +608,8 @@ class pluggable_allocator {
     }
   }
 
-  struct private_pool {
-    pool_id id{};
-    std::unique_ptr<Allocator> allocator;
-    std::size_t live = 0;  ///< its blocks not yet freed
-    std::size_t uses = 0;  ///< captures begun into it minus releases
-  };
-  struct capture {
-    pool_id pool;
-    stream_filter filter;
-  };
-
   struct slot {
+    slot(pluggable_allocator& owner, int id) : device(id), pools(pool_host{&owner, this}) {}
     int device = 0;
     std::unique_ptr<Allocator> allocator;
     std::unique_ptr<trace_recorder> trace;
@@ -955,15 +617,8 @@ class pluggable_allocator {
     // The highest peaks seen before the last reset_peak (the allocator's own restart there).
     std::atomic<std::size_t> lifetime_active{0};
     std::atomic<std::size_t> lifetime_reserved{0};
-    // Private pools: the lists under the mutex; their sizes readable without it.
-    mutable std::mutex pools_mutex;
-    std::vector<std::unique_ptr<private_pool>> pool_list;
-    std::vector<capture> capture_list;
-    std::unordered_map<std::uintptr_t, private_pool*> pool_of;  // live blocks of pools
-    statistics retired;  // the counts of pools given back
-    std::atomic<std::size_t> pools{0};
-    std::atomic<std::size_t> captures{0};
-    std::atomic<bool> had_pools{false};  // pools or their retired counts to add to statistics
+    pools_type pools;  // CUDA graphs' private pools
+    static_assert(!memory_retaining_allocator<Allocator> || graph_pooling<pools_type>);  // begin needs it
 
     static void raise(std::atomic<std::size_t>& peak, std::size_t value) noexcept {
       std::size_t seen = peak.load(std::memory_order_relaxed);
@@ -973,8 +628,7 @@ class pluggable_allocator {
   };
 
   std::unique_ptr<slot> make_slot(int device) {
-    auto s = std::make_unique<slot>();
-    s->device = device;
+    auto s = std::make_unique<slot>(*this, device);
     s->allocator = make_(device);
     if (s->allocator == nullptr) return nullptr;  // the registry reports it
     if (!options_.trace_pattern.empty()) {
@@ -996,101 +650,14 @@ class pluggable_allocator {
     return s;
   }
 
-  // ------------------------------------------------------------------ pools
-  static private_pool* find_pool(const slot& s, pool_id id) noexcept {
-    for (const auto& p : s.pool_list) {
-      if (p->id == id) return p.get();
-    }
-    return nullptr;
-  }
-
-  // Serves the request from the pool of the first capture whose filter takes its stream; null
-  // when none does. Throws out_of_memory when that pool cannot serve it even after the general
-  // allocator released its cached memory.
-  void* allocate_in_pool(slot& s, std::size_t bytes, stream_ref stream) {
-    std::lock_guard guard(s.pools_mutex);
-    private_pool* pool = nullptr;
-    for (const capture& c : s.capture_list) {
-      if (c.filter && c.filter(stream)) {
-        pool = find_pool(s, c.pool);
-        break;
-      }
-    }
-    if (pool == nullptr) return nullptr;
-    s.pool_of.reserve(s.pool_of.size() + 1);  // so that recording it cannot fail
-    void* p = pool->allocator->try_allocate(bytes, stream);
-    if (p == nullptr) {
-      s.allocator->release_cached();  // the general allocator's cache may be what is missing
-      p = pool->allocator->allocate(bytes, stream);
-    }
-    try {
-      s.pool_of.emplace(reinterpret_cast<std::uintptr_t>(p), pool);
-    } catch (...) {
-      pool->allocator->deallocate(p, bytes, stream);
-      throw;
-    }
-    ++pool->live;
-    return p;
-  }
-
-  // Frees `p` into its pool if a pool holds it (true), and gives a released pool's memory back
-  // with its last block.
-  bool free_in_pool(slot& s, void* p, std::size_t bytes, stream_ref stream) {
-    std::lock_guard guard(s.pools_mutex);
-    const auto it = s.pool_of.find(reinterpret_cast<std::uintptr_t>(p));
-    if (it == s.pool_of.end()) return false;
-    private_pool* pool = it->second;
-    if (history_on_.load(std::memory_order_relaxed)) note_free_requested(s, p, bytes, stream);
-    pool->allocator->deallocate(p, bytes, stream);
-    s.pool_of.erase(it);
-    --pool->live;
-    if (pool->uses == 0) {
-      if (pool->live == 0) {
-        retire(s, pool);
-      } else {
-        release_unused(s, pool);
-      }
-    }
-    return true;
-  }
-
-  // A released pool with live blocks keeps only what they need: it stops retaining memory and
-  // gives back its free segments (PyTorch's empty_cache does the same for a released pool).
-  void release_unused(slot& s, private_pool* pool) noexcept {
-    try {
-      if constexpr (memory_retaining_allocator<Allocator>) pool->allocator->retain_memory(false);
-      pool->allocator->release_cached();
-    } catch (const std::exception& e) {
-      error("glake: releasing free memory of pool (%llu, %llu) of device %d failed: %s",
-            static_cast<unsigned long long>(pool->id.first), static_cast<unsigned long long>(pool->id.second),
-            s.device, e.what());
-    }
-  }
-
-  // A pool without uses or live blocks: its memory goes back through its own release (so that
-  // an observer hears of each segment), its counts stay in the device's statistics.
-  void retire(slot& s, private_pool* pool) noexcept {
-    try {
-      if constexpr (memory_retaining_allocator<Allocator>) pool->allocator->retain_memory(false);
-      pool->allocator->release_cached();
-    } catch (const std::exception& e) {
-      error("glake: releasing pool (%llu, %llu) of device %d failed: %s",
-            static_cast<unsigned long long>(pool->id.first), static_cast<unsigned long long>(pool->id.second),
-            s.device, e.what());
-    }
-    detail::accumulate_counts(s.retired, pool->allocator->stats());
-    std::erase_if(s.pool_list, [pool](const auto& p) { return p.get() == pool; });
-    s.pools.store(s.pool_list.size(), std::memory_order_release);
-  }
-
+  // ------------------------------------------------------------------ pools, statistics
   template <class F>
   void with_pools(int device, const char* what, F&& f) noexcept {
     try {
       DeviceScope scope(device);
       slot* s = registry_.find(device);
       if (s == nullptr) return;
-      std::lock_guard guard(s->pools_mutex);
-      f(*s);
+      f(s->pools);
     } catch (const std::exception& e) {
       error("glake: %s on device %d failed: %s", what, device, e.what());
     }
@@ -1098,11 +665,7 @@ class pluggable_allocator {
 
   statistics combined_stats(const slot& s) const {
     statistics st = s.allocator->stats();
-    if (s.had_pools.load(std::memory_order_acquire)) {
-      std::lock_guard guard(s.pools_mutex);
-      for (const auto& pool : s.pool_list) detail::accumulate(st, pool->allocator->stats());
-      detail::accumulate_counts(st, s.retired);
-    }
+    s.pools.add_stats(st);
     return st;
   }
 
@@ -1134,8 +697,7 @@ class pluggable_allocator {
   }
   void observe_all(slot& s, bool on) {
     observe(*s.allocator, s, on);
-    std::lock_guard guard(s.pools_mutex);
-    for (const auto& pool : s.pool_list) observe(*pool->allocator, s, on);
+    s.pools.for_each([&](pool_id, Allocator& pool) { observe(pool, s, on); });
   }
 
   // ------------------------------------------------------------------ plumbing

@@ -110,4 +110,27 @@ concept content_verifier = requires(V& v, const V& cv, int fd, std::size_t n, de
   { v.adopt(std::move(owned), n) } noexcept -> std::same_as<detail::unique_fd>;
 };
 
+// ---------------------------------------------------------------------------------------------
+// sliced_content_verifier (broker side, optional)
+//
+// A content_verifier that can compare two objects a slice at a time, so that the broker, one
+// thread, serves its other connections between the slices of a large comparison instead of
+// stalling them for the whole of it. A verifier without it is compared whole, in one call.
+//
+// | expression                 | returns | throws | meaning
+// |----------------------------|---------|--------|----------------------------------------------
+// | cv.equal_slice(a, b, n,    | int     | no     | for two objects of n bytes (a indexed, b a
+// |                at, m)      |         |        | client's): 1 when their bytes [at, at + m)
+// |                            |         |        | are equal, 0 when they differ there, -1 when
+// |                            |         |        | they could not be read or the slice is not
+// |                            |         |        | within n; equal(a, b, n) is 1 exactly when
+// |                            |         |        | every slice of a cover of [0, n) gives 1
+//
+// Model: host_content_verifier (sharing/host_sharing.hpp).
+// ---------------------------------------------------------------------------------------------
+template <class V>
+concept sliced_content_verifier = content_verifier<V> && requires(const V& cv, int fd, std::size_t n) {
+  { cv.equal_slice(fd, fd, n, n, n) } noexcept -> std::same_as<int>;
+};
+
 }  // namespace glake

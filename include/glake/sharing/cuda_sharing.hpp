@@ -388,14 +388,16 @@ static_assert(shareable_backend<cuda_shareable_backend>);
 //
 // The broker's checks of device memory exported by clients. check imports the descriptor and
 // maps it read-only in a scratch range of the claimed size (an object shorter than that, or a
-// descriptor that is no CUDA allocation, fails there); equal imports both and compares them
-// through host buffers in 8 MiB steps (cuMemcpyDtoH, memcmp); adopt keeps the client's
+// descriptor that is no CUDA allocation, fails there); equal and equal_slice (the whole objects,
+// or one slice of them) import both, map them in scratch ranges and compare through host buffers
+// in steps of at most 8 MiB (cuMemcpyDtoH, memcmp); adopt keeps the client's
 // descriptor. Copying into a handle of the broker's own would not make the object immutable: a
 // CUDA handle carries no access rights, so any process holding its descriptor can map it
 // read-write. On the GPU, read-only holds per mapping, against accidental writes, not against an
 // admitted peer set on writing (docs/dedup.md). The broker initialises CUDA itself (it is
 // started with exec) and retains the device's primary context, made current on the thread
-// of each call. O(n) per comparison; thread safety: one broker thread.
+// of each call. O(n) per n bytes compared, plus O(1) driver calls per call; thread safety: one
+// broker thread.
 // ---------------------------------------------------------------------------------------------
 class cuda_content_verifier {
  public:
@@ -413,22 +415,29 @@ class cuda_content_verifier {
     }
   }
 
-  int equal(int a, int b, std::size_t bytes) const noexcept {
+  int equal(int a, int b, std::size_t bytes) const noexcept { return equal_slice(a, b, bytes, 0, bytes); }
+
+  /// The bytes [at, at + n) of two objects of `bytes` bytes each (the broker's slices). Both are
+  /// imported and mapped whole again for each slice: a few driver calls, and nothing kept that
+  /// a descriptor number reused for another object could alias.
+  int equal_slice(int a, int b, std::size_t bytes, std::size_t at, std::size_t n) const noexcept {
+    if (at > bytes || n > bytes - at) return -1;
     try {
       current();
-      constexpr std::size_t step = 8 * MiB;
+      constexpr std::size_t most = 8 * MiB;
+      const std::size_t step = n < most ? n : most;
       std::unique_ptr<char[]> buffers(new (std::nothrow) char[2 * step]);
       if (!buffers) return -1;
       detail::cuda_handle ha = detail::import_fd(a), hb = detail::import_fd(b);
       detail::cuda_scratch_view va(ha.get(), bytes, device_, CU_MEM_ACCESS_FLAGS_PROT_READ);
       detail::cuda_scratch_view vb(hb.get(), bytes, device_, CU_MEM_ACCESS_FLAGS_PROT_READ);
-      for (std::size_t at = 0; at < bytes; at += step) {
-        const std::size_t n = bytes - at < step ? bytes - at : step;
-        if (cuMemcpyDtoH(buffers.get(), va.address() + at, n) != CUDA_SUCCESS ||
-            cuMemcpyDtoH(buffers.get() + step, vb.address() + at, n) != CUDA_SUCCESS) {
+      for (std::size_t done = 0; done < n; done += step) {
+        const std::size_t k = n - done < step ? n - done : step;
+        if (cuMemcpyDtoH(buffers.get(), va.address() + at + done, k) != CUDA_SUCCESS ||
+            cuMemcpyDtoH(buffers.get() + step, vb.address() + at + done, k) != CUDA_SUCCESS) {
           return -1;
         }
-        if (std::memcmp(buffers.get(), buffers.get() + step, n) != 0) return 0;
+        if (std::memcmp(buffers.get(), buffers.get() + step, k) != 0) return 0;
       }
       return 1;
     } catch (...) {
@@ -446,6 +455,6 @@ class cuda_content_verifier {
   int device_;
   std::shared_ptr<detail::cuda_primary_context> context_;
 };
-static_assert(content_verifier<cuda_content_verifier>);
+static_assert(sliced_content_verifier<cuda_content_verifier>);
 
 }  // namespace glake

@@ -61,6 +61,11 @@ struct dedup_broker_options {
   /// peer makes the broker keep; sharing an object indexed already is not charged. Past it a
   /// publish of new bytes is refused (over_quota) and the piece stays private.
   std::uint64_t max_client_bytes = ~std::uint64_t{0};
+  /// The most bytes the broker compares in one turn of its poll loop, over all the publishes it
+  /// is comparing: between turns it serves every other connection, so one large publish delays
+  /// them by about one slice (4 MiB: a few milliseconds), not by the whole comparison. Applies to
+  /// a sliced_content_verifier; another verifier compares a publish whole in one turn. At least 1.
+  std::size_t compare_slice_bytes = std::size_t{4} << 20;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -71,7 +76,8 @@ struct dedup_broker_options {
 // poll. A publish carries the client's own object (a descriptor) with its size and digest; the
 // broker checks the descriptor (Verifier::check: exactly that size, fit to compare), then
 // compares it byte for byte (Verifier::equal) with each indexed object of the same digest and
-// size. On a match the client gets the indexed object's descriptor and a reference to it; else
+// size. The comparison is incremental (see "Comparing in slices" below). On a match the client
+// gets the indexed object's descriptor and a reference to it; else
 // its object is indexed (Verifier::adopt: as it is when immutable, else a copy no client can
 // write) and it holds the first reference. A client is therefore never sent
 // a descriptor of bytes it did not send itself. Each connection's references are counted;
@@ -86,8 +92,20 @@ struct dedup_broker_options {
 // (PATH.lock, flock): a second broker for the same path fails at construction, and a stale
 // socket left by a dead broker is replaced.
 //
+// Comparing in slices: a publish whose key has indexed objects becomes the connection's pending
+// comparison; the broker reads no further message from that connection until it is answered
+// (replies keep their order) and polls it only for a hang-up, upon which the connection is
+// dropped with its comparison and the descriptor it sent. At the end of each poll turn the
+// broker compares at most options.compare_slice_bytes (Verifier::equal_slice), taking the
+// pending comparisons in turn, so every other connection is served between slices. What to
+// compare is read from the index at each step, and the outcome (shared, stored, refused) is
+// decided when the last slice is compared, from the index and the limits as they are then: as
+// if the publish had been handled whole at that moment. An object released meanwhile is skipped;
+// one stored meanwhile under the same key is compared too.
+//
 // Complexity: a publish is O(log objects + k * n) for k indexed objects of the same key (at
-// most max_collisions) of n bytes; a release O(log objects); each poll O(connections).
+// most max_collisions) of n bytes, spread over turns of at most compare_slice_bytes; a release
+// O(log objects); each poll O(connections).
 // Thread safety: none; one thread calls poll_once / run. The broker ignores SIGPIPE per send.
 // ---------------------------------------------------------------------------------------------
 template <content_verifier Verifier = host_content_verifier>
@@ -127,13 +145,17 @@ class basic_dedup_broker {
     fds.push_back({stop_fd, POLLIN, 0});
     std::vector<int> order;
     order.reserve(clients_.size());
+    bool comparing = false;
     for (const auto& [fd, c] : clients_) {
-      fds.push_back({fd, POLLIN, 0});
+      // A connection with a comparison pending is polled for a hang-up only (always reported).
+      fds.push_back({fd, c.pending ? short{0} : short{POLLIN}, 0});
       order.push_back(fd);
+      comparing |= static_cast<bool>(c.pending);
     }
     if (const int backoff = listener_.backoff_ms(); backoff > 0 && (timeout_ms < 0 || backoff < timeout_ms)) {
       timeout_ms = backoff;
     }
+    if (comparing) timeout_ms = 0;  // the next slice is due: only look at what is ready
     int ready;
     do {
       ready = ::poll(fds.data(), fds.size(), timeout_ms);
@@ -141,9 +163,15 @@ class basic_dedup_broker {
     if (ready < 0) detail::throw_errno("poll", errno);
     if (stop_fd >= 0 && fds[1].revents != 0) return false;
     for (std::size_t i = 0; i < order.size(); ++i) {
-      if (fds[i + 2].revents != 0) serve(order[i]);
+      if (fds[i + 2].revents == 0) continue;
+      if (fds[i + 2].events == 0) {
+        drop(clients_.find(order[i]));  // hung up while its publish was compared: all of it goes
+        continue;
+      }
+      serve(order[i]);
     }
     if (fds[0].revents & POLLIN) accept_all();
+    compare_turn();
     return true;
   }
 
@@ -160,12 +188,23 @@ class basic_dedup_broker {
     content_digest digest;
     std::uint64_t references = 0;
   };
+  // A publish being compared with the indexed objects of its key, a slice per turn.
+  struct comparison {
+    std::uint32_t request = 0;
+    dedup::publish_request q;
+    detail::unique_fd fd;                 // the client's object
+    std::vector<std::uint64_t> different;  // indexed objects it differs from, or unreadable
+    std::uint64_t against = 0;            // the object compared now; 0: pick the next
+    std::uint64_t equal_bytes = 0;        // bytes of it found equal so far
+    bool unreadable = false;              // some object could not be read
+  };
   struct client {
     detail::unique_fd fd;
     detail::peer_credentials peer;
     std::map<std::uint64_t, std::uint64_t> held;  // object id -> references
     std::set<std::uint64_t> stored;               // objects charged to it (it stored them)
     std::uint64_t charged = 0;                    // their bytes
+    std::unique_ptr<comparison> pending;          // its publish being compared, if any
   };
   using key = std::pair<std::array<std::uint8_t, 32>, std::uint64_t>;
   static constexpr std::size_t most_fds = 4;
@@ -191,7 +230,7 @@ class basic_dedup_broker {
         continue;
       }
       const int raw = fd.get();
-      clients_.emplace(raw, client{std::move(fd), std::move(a->peer), {}, {}, 0});
+      clients_.emplace(raw, client{std::move(fd), std::move(a->peer), {}, {}, 0, nullptr});
     }
   }
 
@@ -209,6 +248,7 @@ class basic_dedup_broker {
     for (int served = 0; served < 16; ++served) {
       auto it = clients_.find(fd);
       if (it == clients_.end()) return;
+      if (it->second.pending) return;  // read again once its publish is answered
       // Room for more descriptors than any request takes, so that a client sending two is
       // told so (bad_descriptor) rather than taken for the broker running out (MSG_CTRUNC).
       detail::received_message m = detail::receive_message(fd, buffer, most_fds, MSG_DONTWAIT);
@@ -260,26 +300,105 @@ class basic_dedup_broker {
     if (const char* why = verifier_.check(fd.get(), q.bytes)) {
       return reply_error(c, request, dedup::errc::bad_descriptor, why);
     }
+    c.pending = std::make_unique<comparison>();
+    c.pending->request = request;
+    c.pending->q = q;
+    c.pending->fd = std::move(fd);
+    // Nothing to compare with: answered now. Else compared at the end of this turn and later.
+    if (index_.find(key{q.digest.bytes, q.bytes}) != index_.end()) return true;
+    std::size_t none = 0;
+    return compare(c, none);
+  }
+
+  // Compares the pending publishes, at most options_.compare_slice_bytes in all, beginning after
+  // the connection the last turn began with, so that each gets its turn.
+  void compare_turn() {
+    std::vector<int> turn;
+    for (auto it = clients_.upper_bound(last_compared_); it != clients_.end(); ++it) {
+      if (it->second.pending) turn.push_back(it->first);
+    }
+    for (auto it = clients_.begin(); it != clients_.end() && it->first <= last_compared_; ++it) {
+      if (it->second.pending) turn.push_back(it->first);
+    }
+    if (turn.empty()) return;
+    last_compared_ = turn.front();
+    std::size_t budget = std::max<std::size_t>(options_.compare_slice_bytes, 1);
+    for (const int fd : turn) {
+      if (budget == 0) break;
+      auto it = clients_.find(fd);
+      if (!compare(it->second, budget)) drop(it);
+    }
+  }
+
+  // Advances c's pending comparison by at most `budget` bytes (taken off it), and answers the
+  // publish once that is decided. False when the connection must close.
+  bool compare(client& c, std::size_t& budget) {
+    comparison& p = *c.pending;
+    const std::uint64_t bytes = p.q.bytes;
+    for (;;) {
+      if (p.against == 0) {
+        p.against = next_candidate(key{p.q.digest.bytes, bytes}, p.different);
+        p.equal_bytes = 0;
+        if (p.against == 0) return store(c);  // none left holds the same bytes
+      }
+      const auto o = objects_.find(p.against);
+      if (o == objects_.end()) {  // released since: out of the index too
+        p.against = 0;
+        continue;
+      }
+      if (budget == 0) return true;  // next turn
+      int same;
+      if constexpr (sliced_content_verifier<Verifier>) {
+        const std::uint64_t n = std::min<std::uint64_t>(budget, bytes - p.equal_bytes);
+        same = verifier_.equal_slice(o->second.fd.get(), p.fd.get(), bytes, p.equal_bytes, n);
+        budget -= static_cast<std::size_t>(n);
+        p.equal_bytes += n;
+      } else {
+        same = verifier_.equal(o->second.fd.get(), p.fd.get(), bytes);
+        budget -= static_cast<std::size_t>(std::min<std::uint64_t>(budget, bytes));
+        p.equal_bytes = bytes;
+      }
+      if (same == 1 && p.equal_bytes == bytes) return share(c, p.against);
+      if (same != 1) {
+        p.unreadable |= same < 0;
+        p.different.push_back(p.against);
+        p.against = 0;
+      }
+    }
+  }
+
+  // The first object indexed under `k` not in `different`; 0 when none is (ids start at 1).
+  std::uint64_t next_candidate(const key& k, const std::vector<std::uint64_t>& different) const {
+    const auto chain = index_.find(k);
+    if (chain == index_.end()) return 0;
+    for (const std::uint64_t id : chain->second) {
+      if (std::find(different.begin(), different.end(), id) == different.end()) return id;
+    }
+    return 0;
+  }
+
+  // The pending publish holds the bytes of object `id`: the client gets a reference to it.
+  bool share(client& c, std::uint64_t id) {
+    const std::uint32_t request = std::exchange(c.pending, nullptr)->request;
+    object& o = objects_.at(id);
+    ++o.references;
+    ++c.held[id];
+    ++counters_.references;
+    ++counters_.publishes;
+    ++counters_.shared;
+    const int shared_fd = o.fd.get();
+    return send(c, dedup::encode(dedup::published_reply{id, dedup::outcome::shared}, request), {&shared_fd, 1});
+  }
+
+  // No indexed object holds the pending publish's bytes: its object is indexed, within limits.
+  bool store(client& c) {
+    const std::unique_ptr<comparison> p = std::exchange(c.pending, nullptr);
+    const std::uint32_t request = p->request;
+    const dedup::publish_request& q = p->q;
     const key k{q.digest.bytes, q.bytes};
     const auto found = index_.find(k);
     const std::size_t chain_length = found == index_.end() ? 0 : found->second.size();
-    bool unreadable = false;
-    for (std::size_t i = 0; i < chain_length; ++i) {
-      const std::uint64_t id = found->second[i];
-      object& o = objects_.at(id);
-      const int same = verifier_.equal(o.fd.get(), fd.get(), q.bytes);
-      if (same == 1) {
-        ++o.references;
-        ++c.held[id];
-        ++counters_.references;
-        ++counters_.publishes;
-        ++counters_.shared;
-        const int shared_fd = o.fd.get();
-        return send(c, dedup::encode(dedup::published_reply{id, dedup::outcome::shared}, request), {&shared_fd, 1});
-      }
-      unreadable |= same < 0;
-    }
-    if (unreadable) return reply_error(c, request, dedup::errc::unreadable, "an indexed object of this digest could not be read");
+    if (p->unreadable) return reply_error(c, request, dedup::errc::unreadable, "an indexed object of this digest could not be read");
     if (chain_length >= options_.max_collisions) {
       return reply_error(c, request, dedup::errc::too_many_objects,
                          std::to_string(chain_length) + " different objects of this digest and size are indexed already");
@@ -293,7 +412,7 @@ class basic_dedup_broker {
                              std::to_string(q.bytes) + " more would exceed its quota of " +
                              std::to_string(options_.max_client_bytes));
     }
-    detail::unique_fd kept = verifier_.adopt(std::move(fd), q.bytes);
+    detail::unique_fd kept = verifier_.adopt(std::move(p->fd), q.bytes);
     if (!kept) return reply_error(c, request, dedup::errc::unreadable, "the broker could not keep a copy of the object");
     const std::uint64_t id = next_id_++;
     objects_.emplace(id, object{std::move(kept), q.bytes, q.digest, 1});
@@ -360,6 +479,7 @@ class basic_dedup_broker {
   std::map<key, std::vector<std::uint64_t>> index_;
   std::uint64_t next_id_ = 1;
   dedup::broker_stats counters_;
+  int last_compared_ = -1;  // the connection whose comparison began the last turn
 };
 
 using dedup_broker = basic_dedup_broker<>;

@@ -196,12 +196,13 @@ static_assert(shareable_backend<host_shareable_backend>);
 //
 // check: the descriptor is an ordinary memfd (shmem, a regular file with seals) sealed
 // F_SEAL_WRITE, SHRINK and GROW, of exactly the claimed size, so its bytes cannot change after
-// the broker compared them and mapping it within that size cannot raise SIGBUS. equal: checks
-// both again, then reads both with pread in 256 KiB steps and compares with memcmp. adopt keeps
+// the broker compared them and mapping it within that size cannot raise SIGBUS. equal and
+// equal_slice (the whole objects, or one slice of them): check both again, then read both with
+// pread in 256 KiB steps and compare with memcmp. adopt keeps
 // the client's memfd itself (its seals make it immutable). Reading
 // rather than mapping: a read error is an error code, never a signal, and holes in a sparse file
-// read as zeros without the broker allocating pages for them. O(n) time, 512 KiB of buffers per
-// call; stateless.
+// read as zeros without the broker allocating pages for them. O(n) time for n bytes compared, at
+// most 512 KiB of buffers per call; stateless.
 // ---------------------------------------------------------------------------------------------
 struct host_content_verifier {
   const char* check(int fd, std::size_t bytes) const noexcept { return detail::check_sealed_memfd(fd, bytes); }
@@ -221,21 +222,28 @@ struct host_content_verifier {
 
   int equal(int a, int b, std::size_t bytes) const noexcept {
     if (bytes == 0) return 1;
+    return equal_slice(a, b, bytes, 0, bytes);
+  }
+
+  /// The bytes [at, at + n) of two objects of `bytes` bytes each (the broker's slices).
+  int equal_slice(int a, int b, std::size_t bytes, std::size_t at, std::size_t n) const noexcept {
     if (detail::check_sealed_memfd(a, bytes) != nullptr || detail::check_sealed_memfd(b, bytes) != nullptr) return -1;
-    if (a == b) return 1;
+    if (at > bytes || n > bytes - at) return -1;
+    if (a == b || n == 0) return 1;
     constexpr std::size_t step = 256 * 1024;
-    std::unique_ptr<char[]> buffers(new (std::nothrow) char[2 * step]);
+    const std::size_t buffer = n < step ? n : step;
+    std::unique_ptr<char[]> buffers(new (std::nothrow) char[2 * buffer]);
     if (!buffers) return -1;
     char* const ba = buffers.get();
-    char* const bb = buffers.get() + step;
-    for (std::size_t at = 0; at < bytes; at += step) {
-      const std::size_t n = bytes - at < step ? bytes - at : step;
-      if (!read_exactly(a, ba, n, at) || !read_exactly(b, bb, n, at)) return -1;
-      if (std::memcmp(ba, bb, n) != 0) return 0;
+    char* const bb = buffers.get() + buffer;
+    for (std::size_t done = 0; done < n; done += buffer) {
+      const std::size_t k = n - done < buffer ? n - done : buffer;
+      if (!read_exactly(a, ba, k, at + done) || !read_exactly(b, bb, k, at + done)) return -1;
+      if (std::memcmp(ba, bb, k) != 0) return 0;
     }
     return 1;
   }
 };
-static_assert(content_verifier<host_content_verifier>);
+static_assert(sliced_content_verifier<host_content_verifier>);
 
 }  // namespace glake

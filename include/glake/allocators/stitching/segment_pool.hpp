@@ -26,7 +26,9 @@ namespace glake::detail {
 /// Segments (a reservation with handles mapped back to back; Growth picks the handle sizes) over
 /// one backend, their blocks in a block_arena, and the fully free segments in Evict order
 /// (queued exactly while a segment is one free block). Everything is counted in `counters`; an
-/// observer, when set, is told of each segment added (segment_alloc) and given back (segment_free).
+/// observer, when set, is told of each segment added (segment_alloc) and given back (segment_free);
+/// a segment grown in place or split is told of as given back and added again as it is now, so
+/// that the history's segments are always those shown.
 /// Complexity: a new segment costs O(handles) driver calls; queue operations O(1) or O(log n).
 /// Thread safety: none (the allocator serialises access).
 template <physical_provider Provider, address_reserver_for<Provider> Reserver, growth_policy Growth,
@@ -145,7 +147,10 @@ class segment_pool {
     counters_->on_extend(bytes);
     s->eviction_bytes_ = s->mapping.size;
     if (queued) enter_free_queue(b);
-    tell(memory_action::segment_alloc, old_end, bytes, stream);
+    // The history names the segments as they are shown (visit_state): the old one goes, the
+    // grown one comes.
+    tell(memory_action::segment_free, s->mapping.base, old_end - s->mapping.base, s->stream);
+    tell(memory_action::segment_alloc, s->mapping.base, s->mapping.size, s->stream);
     return b;
   }
 
@@ -236,6 +241,10 @@ class segment_pool {
       segments_.destroy(t);
       throw;
     }
+    // The history names the segments as they are shown: the whole one goes, its two parts come.
+    tell(memory_action::segment_free, s->mapping.base, s->mapping.size + t->mapping.size, s->stream);
+    tell(memory_action::segment_alloc, s->mapping.base, s->mapping.size, s->stream);
+    tell(memory_action::segment_alloc, t->mapping.base, t->mapping.size, t->stream);
     return t;
   }
 

@@ -19,7 +19,7 @@ void stitching_allocator<Provider, Reserver, Stitch, Evict, Lock, Admission, Gro
     throw std::logic_error("glake::stitching_allocator invariant broken: " + what);
   };
   small_.verify_unlocked();
-  const std::size_t unit = large_round_;
+  const std::size_t unit = ladder_.large_round();
   std::size_t active = small_.stats_unlocked().active_bytes, free_bytes = 0, reserved = 0, free_segments = 0,
               small_blocks = 0, claimed_blocks = 0;
   const auto extent = [](const segment& s) { return std::pair{s.mapping.base, s.mapping.size}; };
