@@ -72,6 +72,17 @@ using gmlake_like = segregator<caching_allocator<sim_source>,
 GLAKE_FIXTURE(segregator_stitching_fixture, (gmlake_like), MiB,
               std::tuple{sim_source{sim_provider{device}, sim_reserver{device}}},
               std::tuple{sim_provider{device}, sim_reserver{device}, no_small_pool()});
+// glake's plug-in composition: stitch any request, grow only the shortfall, segments that grow in place.
+config growing_segments() {
+  config cfg;
+  cfg.frag_limit = 2 * MiB;
+  cfg.grow_stitch = true;
+  cfg.max_handle = 8 * MiB;
+  cfg.segment_reserve = 256 * GiB;
+  return cfg;
+}
+GLAKE_FIXTURE(stitching_growing_fixture, (stitching_allocator<sim_provider, sim_reserver>), sim_provider{device},
+              sim_reserver{device}, growing_segments());
 GLAKE_FIXTURE(stitching_never_fixture, (stitching_allocator<sim_provider, sim_reserver, no_stitching>),
               sim_provider{device}, sim_reserver{device});
 
@@ -97,7 +108,7 @@ struct live_reports {
 
 #define GLAKE_ALLOCATOR_FIXTURES                                                                  \
   caching_fixture, caching_mutex_largest_first_fixture, stitching_fixture, stitching_gmlake_fixture, \
-      stitching_never_fixture, segregator_fixture, segregator_stitching_fixture
+      stitching_growing_fixture, stitching_never_fixture, segregator_fixture, segregator_stitching_fixture
 
 TEST_CASE_TEMPLATE("allocator conformance: live allocations are distinct, aligned and accounted", F,
                    GLAKE_ALLOCATOR_FIXTURES) {

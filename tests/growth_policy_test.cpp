@@ -195,3 +195,36 @@ TEST_CASE("chunk_growth: every handle is one chunk and a stitched range reserves
   CHECK(growth.reservation(1 * GiB) == 1 * GiB);
   static_assert(noexcept(chunk_growth(config{}, chunk)));
 }
+
+static_assert(segment_growth_policy<power_of_two_growth>);
+static_assert(!segment_growth_policy<chunk_growth>);  // GMLake's segments never grow
+
+TEST_CASE_TEMPLATE("segment growth policy conformance: a segment's reservation covers it in whole chunks", G,
+                   power_of_two_growth) {
+  const std::size_t chunk = 2 * M;
+  for (const std::size_t reserve : {std::size_t{0}, 3 * M, 64 * M, 1 * GiB}) {
+    config cfg;
+    cfg.segment_reserve = reserve;
+    const G growth(cfg, chunk);
+    static_assert(noexcept(growth.segment_reservation(std::size_t{})));
+    for (std::size_t chunks : {1, 2, 31, 32, 33, 1000}) {
+      const std::size_t bytes = chunks * chunk;
+      CAPTURE(reserve);
+      CAPTURE(bytes);
+      const std::size_t reserved = growth.segment_reservation(bytes);
+      CHECK(reserved >= bytes);
+      CHECK(reserved % chunk == 0);
+    }
+  }
+}
+
+TEST_CASE("power_of_two_growth: a segment reserves segment_reserve in whole chunks, or just its size") {
+  const std::size_t chunk = 2 * M;
+  config cfg;
+  CHECK(power_of_two_growth(cfg, chunk).segment_reservation(6 * M) == 6 * M);  // 0: no growth
+  cfg.segment_reserve = 65 * M;
+  const power_of_two_growth growth(cfg, chunk);
+  CHECK(growth.segment_reservation(6 * M) == 64 * M);  // rounded down to the chunk
+  CHECK(growth.segment_reservation(64 * M) == 64 * M);
+  CHECK(growth.segment_reservation(80 * M) == 80 * M);  // larger than the setting: its own size
+}

@@ -236,3 +236,79 @@ TEST_CASE("segment pool: the chunk must be a multiple of the granularity, and sm
   cfg.max_handle = 6 * M;  // the growth policy's own check
   CHECK_THROWS_AS(pool_type(sim_provider{device}, sim_reserver{device}, cfg, counters), config_error);
 }
+
+TEST_CASE("segment pool: a segment with room grows in place, its free last block joining the new memory") {
+  sim_device device(1 * GiB);
+  detail::usage_counters counters;
+  pool_type pool(sim_provider{device}, sim_reserver{device}, handles_up_to(0, 8), counters);
+  auto* b = pool.add_segment(4 * M, A, 64 * M);
+  REQUIRE(b != nullptr);
+  auto* s = b->segment;
+  CHECK(s->mapping.room() == 60 * M);
+  CHECK(pool.growing(A) == s);
+  CHECK(pool.growing(B) == nullptr);
+  CHECK(pool_type::grows(*s));
+  CHECK(pool.add_segment(2 * M, B) != nullptr);  // no room: not a growing segment
+  CHECK(pool.growing(B) == nullptr);
+
+  // A live head, a free 1 MiB tail: new memory joins the tail.
+  pool.leave_free_queue(b);
+  pool.arena().take(b, 3 * M);
+  auto* tail = pool.extend(s, 4 * M, A);
+  REQUIRE(tail != nullptr);
+  CHECK(tail->address == s->mapping.base + 3 * M);
+  CHECK(tail->size == 5 * M);
+  CHECK(s->mapping.size == 8 * M);
+  CHECK(s->mapping.count == 4);
+  CHECK(s->mapping.slots[3].offset == 6 * M);
+  CHECK(s->mapping.room() == 56 * M);
+  CHECK(counters.s.reserved_bytes == 10 * M);
+  CHECK(counters.s.segments_created == 2);  // growing is not a new segment
+  CHECK(device.physical_bytes() == 10 * M);
+  CHECK(pool.extend(s, 58 * M, A) == nullptr);  // beyond its room: nothing changes
+  CHECK(s->mapping.size == 8 * M);
+  CHECK(device.physical_bytes() == 10 * M);
+  CHECK(device.violations() == 0);
+}
+
+TEST_CASE("segment pool: split cuts a segment at a handle, and the pieces share its range until the last goes") {
+  sim_device device(1 * GiB);
+  detail::usage_counters counters;
+  pool_type pool(sim_provider{device}, sim_reserver{device}, handles_up_to(0, 8), counters);
+  auto* b = pool.add_segment(8 * M, A, 64 * M);
+  REQUIRE(b != nullptr);
+  auto* s = b->segment;
+  pool.leave_free_queue(b);
+  auto* first = pool.arena().take(b, 2 * M);  // live [0, 2), free [2, 8)
+  auto* rest = pool.arena().find(s->mapping.base + 2 * M);
+  auto* middle = pool.arena().carve(rest, s->mapping.base + 2 * M, 4 * M);  // live [2, 6), free [6, 8)
+  auto* t = pool.split(s, 6 * M);
+  CHECK(s->mapping.size == 6 * M);
+  CHECK(s->mapping.count == 3);
+  CHECK(s->mapping.room() == 0);
+  CHECK(t->mapping.base == s->mapping.base + 6 * M);
+  CHECK(t->mapping.size == 2 * M);
+  CHECK(t->mapping.count == 1);
+  CHECK(t->mapping.slots[0].offset == 0);
+  CHECK(t->mapping.room() == 56 * M);  // the room to grow goes with the end
+  CHECK(pool.growing(A) == t);
+  CHECK(pool.arena().find(t->mapping.base)->segment == t);
+  CHECK(pool.free_segments() == 1);  // t is one free block
+  auto* u = pool.split(s, 2 * M);
+  CHECK(u->mapping.size == 4 * M);
+  CHECK(pool.arena().find(u->mapping.base) == middle);
+  CHECK(middle->segment == u);
+  pool.enter_free_queue(pool.arena().give_back(middle));
+  CHECK(pool.free_segments() == 2);
+  pool.drop_segment(u);
+  pool.drop_segment(t);
+  CHECK(device.physical_bytes() == 2 * M);
+  CHECK(counters.s.reserved_bytes == 2 * M);
+  CHECK(device.reserved_bytes() == 64 * M);  // s still lies in the shared range
+  pool.enter_free_queue(pool.arena().give_back(first));
+  pool.drop_segment(s);
+  CHECK(device.reserved_bytes() == 0);
+  CHECK(device.physical_bytes() == 0);
+  CHECK(device.live_mappings() == 0);
+  CHECK(device.violations() == 0);
+}

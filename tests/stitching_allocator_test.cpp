@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -687,6 +688,19 @@ TEST_CASE("rollback: a failure at any call of a growth leaves everything as it w
   CHECK(sites >= 32 + 1 + 32 + 1);  // 32 creates, a reserve, 32 maps, a set-access
 }
 
+TEST_CASE("rollback: a failure at any call of growing a segment in place leaves everything as it was") {
+  config cfg;
+  cfg.segment_reserve = 1 * GiB;
+  const int sites = fail_every_call_site(
+      4 * GiB, cfg,
+      [](faulty_stitching& a, const sim_device&) {
+        a.set_live_report(nullptr);  // stays live to the end, on purpose
+        a.allocate(3 * M);           // a segment with room, its last 1 MiB free
+      },
+      64 * M);
+  CHECK(sites >= 32 + 32 + 1);  // 32 creates, 32 maps, a set-access; no reserve
+}
+
 TEST_CASE("rollback: a failure at any call of a stitch leaves everything as it was") {
   const int sites = fail_every_call_site(
       400 * M, stitch_everything(),
@@ -786,6 +800,65 @@ TEST_CASE("stitching: large requests are split at large_round_to, so a block's r
   CHECK(run(512) == std::pair{6 * M, true});     // the default: 1,024 bytes of rounding, the rest serves b
   CHECK(run(0) == std::pair{8 * M, false});      // whole chunks: a holds all 6 MiB, b takes a new one
   CHECK(run(64 * KiB).first == 6 * M);
+}
+
+TEST_CASE("stitching: with segment_reserve a segment grows in place, so a block's tail in its last handle starts the next") {
+  const auto run = [](std::size_t segment_reserve) {
+    sim_device device(1 * GiB);
+    config cfg;
+    cfg.segment_reserve = segment_reserve;
+    sim_stitching allocator(sim_provider{device}, sim_reserver{device}, cfg);
+    void* a = allocator.allocate(3 * M);  // a 4 MiB segment, 1 MiB of it free
+    void* b = allocator.allocate(3 * M);  // no free block fits
+    allocator.verify();
+    const bool adjacent = static_cast<char*>(b) == static_cast<char*>(a) + 3 * M;
+    const std::size_t reserved = allocator.stats().reserved_bytes;
+    allocator.deallocate(b, 3 * M);
+    allocator.deallocate(a, 3 * M);
+    allocator.release_cached();
+    CHECK(device.physical_bytes() == 0);
+    CHECK(device.reserved_bytes() == 0);
+    CHECK(device.violations() == 0);
+    return std::pair{reserved, adjacent};
+  };
+  CHECK(run(0) == std::pair{8 * M, false});         // a segment each: 1 MiB stranded in each
+  CHECK(run(256 * M) == std::pair{6 * M, true});    // b starts in a's tail: 2 MiB more, not 4
+  CHECK(run(256 * GiB) == std::pair{6 * M, true});  // reserved up to the device's memory only
+}
+
+TEST_CASE("stitching: release_cached gives back free handles inside a segment that grows, live blocks kept") {
+  sim_device device(1 * GiB);
+  config cfg = stitch_everything();
+  cfg.segment_reserve = 1 * GiB;
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, cfg);
+  void* a = allocator.allocate(3 * M);
+  void* b = allocator.allocate(40 * M);
+  void* c = allocator.allocate(5 * M);
+  void* d = allocator.allocate(7 * M);
+  CHECK(static_cast<char*>(d) == static_cast<char*>(a) + 48 * M);  // one segment, end to end
+  const std::uint64_t a_handle = handle_at(device, a), c_handle = handle_at(device, c, 4 * M);
+  allocator.deallocate(b, 40 * M);
+  allocator.deallocate(d, 7 * M);
+  CHECK(allocator.stats().reserved_bytes == 56 * M);
+  allocator.release_cached();
+  allocator.verify();
+  // Kept: the handles a and c touch, [0, 4) and [42, 48) MiB; b's [4, 42) and d's [48, 56) went.
+  CHECK(allocator.stats().reserved_bytes == 10 * M);
+  CHECK(device.physical_bytes() == 10 * M);
+  CHECK(handle_at(device, a) == a_handle);
+  CHECK(handle_at(device, c, 4 * M) == c_handle);
+  void* e = allocator.allocate(30 * M);  // served by new memory: nothing of the freed range is mapped
+  allocator.verify();
+  allocator.deallocate(e, 30 * M);
+  allocator.deallocate(c, 5 * M);
+  allocator.deallocate(a, 3 * M);
+  allocator.release_cached();
+  allocator.verify();
+  CHECK(allocator.stats().reserved_bytes == 0);
+  CHECK(device.physical_bytes() == 0);
+  CHECK(device.live_mappings() == 0);
+  CHECK(device.reserved_bytes() == 0);  // the shared range went with its last segment
+  CHECK(device.violations() == 0);
 }
 
 TEST_CASE("stitching: blocks split below the chunk give stitches only their whole handles") {
@@ -974,6 +1047,50 @@ struct event_record {
 };
 
 }  // namespace
+
+TEST_CASE("memory observer: a segment grown in place or split is told of as it is shown afterwards") {
+  sim_device device(1 * GiB);
+  config cfg = stitch_everything();
+  cfg.segment_reserve = 1 * GiB;
+  sim_stitching allocator(sim_provider{device}, sim_reserver{device}, cfg);
+  event_record seen;
+  allocator.set_memory_observer(&event_record::observe, &seen);
+  // The segments the history leaves (segment_alloc adds one at its address, segment_free removes
+  // exactly that one) and those visit_state shows.
+  const auto agree = [&] {
+    std::map<std::uintptr_t, std::size_t> told;
+    for (const memory_event& e : seen.events) {
+      if (e.action == memory_action::segment_alloc) {
+        CHECK(told.emplace(e.address, e.size).second);
+      } else if (e.action == memory_action::segment_free) {
+        const auto it = told.find(e.address);
+        REQUIRE(it != told.end());
+        CHECK(it->second == e.size);
+        told.erase(it);
+      }
+    }
+    state_record r;
+    allocator.visit_state(r);
+    std::map<std::uintptr_t, std::size_t> shown;
+    for (const auto& sg : r.segments) shown.emplace(sg.view.address, sg.view.size);
+    return told == shown;
+  };
+  void* a = allocator.allocate(3 * M);
+  void* b = allocator.allocate(40 * M);  // grows the segment in place
+  void* c = allocator.allocate(5 * M);
+  CHECK(static_cast<char*>(c) == static_cast<char*>(a) + 43 * M);
+  CHECK(agree());
+  allocator.deallocate(b, 40 * M);
+  allocator.release_cached();  // b's whole handles split off and given back
+  CHECK(allocator.stats().reserved_bytes < 48 * M);
+  CHECK(agree());
+  allocator.deallocate(a, 3 * M);
+  allocator.deallocate(c, 5 * M);
+  allocator.release_cached();
+  CHECK(agree());
+  CHECK(allocator.stats().reserved_bytes == 0);
+  allocator.set_memory_observer(nullptr, nullptr);
+}
 
 TEST_CASE("visit_state: segments tiled by their blocks, covering the reserved bytes, small blocks in place") {
   sim_device device(1 * GiB);

@@ -43,6 +43,7 @@ struct recording_host {
     return false;
   }
   void finish_moves() noexcept { *log += "moves "; }
+  bool moving() const noexcept { return false; }
 };
 static_assert(detail::ladder_host<recording_host>);
 using ladder_type = detail::allocation_ladder<pool_type, clocks_type, detail::no_stitcher, gmlake_admission,

@@ -73,6 +73,10 @@ struct config {
                                          ///< a multiple of its size: the excess lets the range,
                                          ///< once cached, grow in place for a larger request;
                                          ///< 1 means none
+  std::size_t segment_reserve = 0;       ///< address space a new segment reserves, so that new
+                                         ///< memory is mapped after its end and a block's tail
+                                         ///< in its last handle serves the next request (as
+                                         ///< expandable_segments); 0 means segments never grow
   int event_interval_us = 1000;          ///< on backends with events, while a stream's last
                                          ///< event is pending, its newer frees get one no
                                          ///< sooner than this many microseconds after it: one
@@ -147,6 +151,7 @@ void for_each_config_field(Config& c, Visitor&& visit) {
   visit(std::string_view{"move_spares"}, c.move_spares);
   visit(std::string_view{"memory_limit"}, c.memory_limit);
   visit(std::string_view{"stitch_reserve"}, c.stitch_reserve);
+  visit(std::string_view{"segment_reserve"}, c.segment_reserve);
   visit(std::string_view{"event_interval_us"}, c.event_interval_us);
 }
 

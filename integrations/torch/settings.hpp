@@ -36,9 +36,14 @@ inline constexpr std::pair<const char*, const char*> default_variables[] = {
 /// process group, one H100) the 1 ms default recorded and queried ~180 events per step, ~1.2 ms
 /// of host time; 20 ms leaves ~22 and ~0.24 ms, with the same memory and driver calls
 /// (docs/streams.md, docs/experiments.md). `event_interval_us:1000` restores the library's.
+/// Segments grow in place (segment_reserve, clamped to the device's memory, as
+/// expandable_segments reserves): the tail of a block's last handle starts the next request;
+/// T5-base's replayed peak 13.74 to 13.37 GB (bench/results/replay.md). `segment_reserve:0`
+/// restores separate segments.
 inline config default_base() {
   config c;
   c.max_handle = 8 * MiB;
+  c.segment_reserve = 256 * GiB;
   c.event_interval_us = 20'000;
   return c;
 }

@@ -33,6 +33,9 @@ struct free_breakdown {
   std::size_t whole_handles = 0;
   std::size_t partial_handles = 0;
   std::size_t small_pool = 0;
+  std::size_t partial_at_segment_end = 0;  ///< of partial_handles: in a block ending its segment
+  std::size_t block_rounding = 0;          ///< live blocks' bytes beyond their requests
+  std::size_t stitched_tails = 0;          ///< live stitched ranges' bytes beyond their requests
 };
 
 /// A configuration behind one interface, owning the simulated device it runs on.
@@ -89,10 +92,12 @@ class replayable_allocator final : public replayable {
   std::optional<free_breakdown> free_memory() const override {
     if constexpr (requires { allocator_.free_memory(); }) {
       const auto r = allocator_.free_memory();
-      return free_breakdown{r.whole_handles, r.partial_handles, r.small_pool};
+      return free_breakdown{r.whole_handles, r.partial_handles, r.small_pool, r.partial_at_segment_end,
+                            r.block_rounding, r.stitched_tails};
     } else if constexpr (requires { allocator_.large().free_memory(); }) {
       const auto r = const_cast<Allocator&>(allocator_).large().free_memory();
-      return free_breakdown{r.whole_handles, r.partial_handles, r.small_pool};
+      return free_breakdown{r.whole_handles, r.partial_handles, r.small_pool, r.partial_at_segment_end,
+                            r.block_rounding, r.stitched_tails};
     } else {
       return std::nullopt;
     }
@@ -166,13 +171,15 @@ inline config gmlake_config() {
 /// New memory in handles of up to 8 MiB (max_handle): a mapped handle costs the same driver time
 /// whatever its size, so large stitches make ~4x fewer calls than from 2 MiB handles, for a little
 /// memory stranded in handles partly in use (see bench/results/replay.md, "Key findings";
-/// `max_handle:0` keeps 2 MiB handles only).
+/// `max_handle:0` keeps 2 MiB handles only). Segments grow in place (segment_reserve), so a
+/// block's tail in its last handle starts the next request (docs/stitching.md).
 inline config glake_config() {
   config cfg;
   cfg.frag_limit = 2 * MiB;
   cfg.grow_stitch = true;
   cfg.reuse_limit = 2.0;
   cfg.max_handle = 8 * MiB;
+  cfg.segment_reserve = 256 * GiB;  // at most the device's memory: a stream's segment grows in place
   cfg.event_interval_us = 20'000;  // the plug-in's; the simulated backend has no events
   return cfg;
 }

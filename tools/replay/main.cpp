@@ -162,8 +162,10 @@ void print_json(const replay_result& r, std::size_t capacity) {
               ",\"peak_allocated_bytes\":%zu,\"placement_digest\":\"%016" PRIx64 "\"",
               r.splits, r.merges, r.stitch_evictions, r.peak_allocated_bytes, r.placement_digest);
   if (r.free_at_peak) {
-    std::printf(",\"free_at_peak\":{\"whole_handle_bytes\":%zu,\"partial_handle_bytes\":%zu,\"small_pool_bytes\":%zu}",
-                r.free_at_peak->whole_handles, r.free_at_peak->partial_handles, r.free_at_peak->small_pool);
+    std::printf(",\"free_at_peak\":{\"whole_handle_bytes\":%zu,\"partial_handle_bytes\":%zu,\"small_pool_bytes\":%zu,"
+                "\"partial_at_segment_end_bytes\":%zu,\"block_rounding_bytes\":%zu,\"stitched_tail_bytes\":%zu}",
+                r.free_at_peak->whole_handles, r.free_at_peak->partial_handles, r.free_at_peak->small_pool,
+                r.free_at_peak->partial_at_segment_end, r.free_at_peak->block_rounding, r.free_at_peak->stitched_tails);
   }
   std::printf("}\n");
 }

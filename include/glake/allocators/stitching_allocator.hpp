@@ -131,7 +131,7 @@ class stitching_allocator {
   };
   static_assert(mover_host<mover_link>);
   using mover_type = allocation_mover<mover_link, typename pool_type::slot_type>;
-  using release_type = detail::segment_release<pool_type, clocks_type, adoption_type, stitcher_type>;
+  using release_type = detail::segment_release<pool_type, clocks_type, adoption_type, stitcher_type, mover_type>;
   static_assert(detail::segment_releasing<release_type>);
 
   // The ladder's rungs that reclaim what this allocator owns beside it (ladder_host).
@@ -152,6 +152,7 @@ class stitching_allocator {
         if (parent->mover_.any_pending()) parent->mover_.complete_ready(true);
       }
     }
+    bool moving() const noexcept { return parent->mover_.busy() != 0; }
   };
   using ladder_type = detail::allocation_ladder<pool_type, clocks_type, stitcher_type, Admission, adoption_type,
                                                 release_type, ladder_link>;
@@ -187,7 +188,7 @@ class stitching_allocator {
         clocks_(make_events(), config_.event_interval_us),
         stitcher_(make_stitcher()),
         adoption_(max_candidates, max_reuse_probes),
-        release_(pool_, clocks_, adoption_, stitcher_),
+        release_(pool_, clocks_, adoption_, stitcher_, &mover_),
         ladder_(pool_, clocks_, counters_, admission_, stitcher_, adoption_, release_, ladder_link{this},
                 config_.large_round_to == 0
                     ? pool_.chunk()
@@ -488,7 +489,6 @@ class stitching_allocator {
     return mover_.residence_at(address);  // a pending move's: where it takes it
   }
 
-
   /// Peaks (active, allocated, reserved) start again from the current values; returns the
   /// statistics as they were just before, so no peak between reading and resetting is lost.
   statistics reset_peaks() {
@@ -504,13 +504,14 @@ class stitching_allocator {
     return owns_unlocked(p);
   }
 
-  /// Where free memory sits, for diagnosing fragmentation: bytes of free blocks in the large pool
-  /// that are whole handles (stitchable), bytes of free blocks inside partly used handles (usable
-  /// only in place), and bytes of the small pool's borrowed blocks that are free. O(blocks).
+  /// Where free memory sits, for diagnosing fragmentation, in bytes: free blocks of the large pool
+  /// in whole handles (stitchable) or in partly used ones (usable only in place; of those, in a
+  /// free block ending its segment), the small pool's free borrowed blocks, and what live
+  /// allocations hold beyond their requests (blocks rounded to large_round_to; stitched ranges'
+  /// whole chunks). O(blocks + stitched ranges).
   struct free_memory_report {
-    std::size_t whole_handles = 0;
-    std::size_t partial_handles = 0;
-    std::size_t small_pool = 0;
+    std::size_t whole_handles = 0, partial_handles = 0, small_pool = 0;
+    std::size_t partial_at_segment_end = 0, block_rounding = 0, stitched_tails = 0;
   };
   free_memory_report free_memory() const;
 
@@ -711,7 +712,6 @@ class stitching_allocator {
     if (mover_.parked_count() > 0) mover_.unpark();
     mover_.trim();  // far handles kept for the next offloads
   }
-
 
   void release_everything() noexcept {
     if constexpr (has_events) {

@@ -39,6 +39,12 @@ struct mapped_segment {
   std::size_t size = 0;
   std::size_t count = 0;
   std::unique_ptr<handle_slot<Handle>[]> slots;
+  std::size_t reserved = 0;  ///< address space at base (at least size): room to grow in place
+  std::size_t capacity = 0;  ///< slots allocated (at least count): a growing segment's slots grow
+                             ///< geometrically, not by a copy per growth
+
+  /// Bytes of address space past the mapped handles.
+  std::size_t room() const noexcept { return reserved > size ? reserved - size : 0; }
 
   std::size_t chunks() const noexcept { return count; }
   /// The index of the first handle that starts at or after `offset`.
@@ -149,15 +155,77 @@ class vmm_backend {
   /// Creates one handle per entry of `sizes` (each a granularity multiple), reserves one range of
   /// their sum and maps them in order. False when the limit or the backend ran out of memory;
   /// `out` is then untouched.
-  bool try_create_segment(std::span<const std::size_t> sizes, segment_type& out) {
-    if (create_segment(sizes, out)) return true;
+  /// With `reserve` above their sum, the range reserves that much address space, so that
+  /// try_extend_segment can map more handles after them.
+  bool try_create_segment(std::span<const std::size_t> sizes, segment_type& out, std::size_t reserve = 0) {
+    if (create_segment(sizes, out, reserve)) return true;
     if (spares_.empty()) return false;
     release_spares();
-    return create_segment(sizes, out);
+    return create_segment(sizes, out, reserve);
+  }
+
+  /// Creates one handle per entry of `sizes` and maps them after `segment`'s handles, inside its
+  /// reservation (one access grant over them). False when the limit, the backend or the
+  /// segment's room ran out, with nothing changed. The segment's slots move to a larger array:
+  /// pointers to them are invalidated.
+  bool try_extend_segment(segment_type& segment, std::span<const std::size_t> sizes) {
+    if (extend_segment(segment, sizes)) return true;
+    if (spares_.empty()) return false;
+    release_spares();
+    return extend_segment(segment, sizes);
   }
 
  private:
-  bool create_segment(std::span<const std::size_t> sizes, segment_type& out) {
+  bool extend_segment(segment_type& segment, std::span<const std::size_t> sizes) {
+    std::size_t bytes = 0;
+    for (std::size_t size : sizes) {
+      if (size > ~std::size_t{0} - bytes) return false;
+      bytes += size;
+    }
+    if (bytes == 0 || bytes > segment.room() || !fits(bytes, physical_bytes_)) return false;
+    const std::size_t first = segment.count, count = first + sizes.size();
+    std::unique_ptr<handle_slot<handle_type>[]> grown;
+    if (count > std::max(segment.capacity, first)) {
+      const std::size_t capacity = std::max(count, 2 * first);
+      grown = std::make_unique<handle_slot<handle_type>[]>(capacity);
+      std::copy(segment.slots.get(), segment.slots.get() + first, grown.get());
+    }
+    handle_slot<handle_type>* slots = grown ? grown.get() : segment.slots.get();
+    for (std::size_t i = first, offset = segment.size; i < count; offset += sizes[i - first], ++i) {
+      slots[i].offset = offset;
+      slots[i].size = sizes[i - first];
+    }
+    const auto at = [&](std::size_t i) { return reinterpret_cast<char*>(segment.base) + slots[i].offset; };
+    std::size_t created = first, mapped = first;
+    auto undo = [&]() noexcept {
+      for (std::size_t i = mapped; i-- > first;) unmap(at(i), slots[i].size);
+      for (std::size_t i = created; i-- > first;) release(slots[i].handle);
+    };
+    try {
+      for (; created < count; ++created) {
+        auto h = meter_(driver_call::create, [&] { return provider_.try_create(slots[created].size); });
+        if (!h) return undo(), false;
+        slots[created].handle = *h;
+      }
+      for (; mapped < count; ++mapped) {
+        if (!map(at(mapped), slots[mapped])) return undo(), false;
+      }
+      if (!set_access(at(first), bytes)) return undo(), false;
+    } catch (...) {
+      undo();
+      throw;
+    }
+    physical_bytes_ += bytes;
+    segment.size += bytes;
+    segment.count = count;
+    if (grown) {
+      segment.capacity = std::max(count, 2 * first);
+      segment.slots = std::move(grown);
+    }
+    return true;
+  }
+
+  bool create_segment(std::span<const std::size_t> sizes, segment_type& out, std::size_t reserve) {
     std::size_t bytes = 0;
     for (std::size_t size : sizes) {
       if (size > ~std::size_t{0} - bytes) return false;  // no backend holds that much
@@ -173,9 +241,10 @@ class vmm_backend {
     std::size_t created = 0;
     void* base = nullptr;
     std::size_t mapped = 0;
+    const std::size_t reserved = std::max(bytes, reserve);
     auto undo = [&]() noexcept {
       for (std::size_t i = mapped; i-- > 0;) unmap(static_cast<char*>(base) + slots[i].offset, slots[i].size);
-      if (base != nullptr) free_range(base, bytes);
+      if (base != nullptr) free_range(base, reserved);
       for (std::size_t i = created; i-- > 0;) release(slots[i].handle);
     };
     try {
@@ -184,7 +253,7 @@ class vmm_backend {
         if (!h) return undo(), false;
         slots[created].handle = *h;
       }
-      base = meter_(driver_call::reserve, [&] { return reserver_.try_reserve(bytes); });
+      base = meter_(driver_call::reserve, [&] { return reserver_.try_reserve(reserved); });
       if (base == nullptr) return undo(), false;
       for (; mapped < count; ++mapped) {
         if (!map(static_cast<char*>(base) + slots[mapped].offset, slots[mapped])) return undo(), false;
@@ -199,6 +268,8 @@ class vmm_backend {
     out.size = bytes;
     out.count = count;
     out.slots = std::move(slots);
+    out.reserved = reserved;
+    out.capacity = count;
     return true;
   }
 
@@ -209,12 +280,15 @@ class vmm_backend {
   /// Unmaps, frees and releases everything of a segment made by try_create_segment. A far slot's
   /// handle goes to `release_far(context, handle)` (not the provider's, not counted in
   /// physical_bytes).
-  void destroy_segment(segment_type& segment, far_releaser release_far = nullptr, void* context = nullptr) noexcept {
+  /// With `free_address` false its address range stays reserved (another segment shares it; the
+  /// owner frees it with free_reserved_range).
+  void destroy_segment(segment_type& segment, far_releaser release_far = nullptr, void* context = nullptr,
+                       bool free_address = true) noexcept {
     void* base = reinterpret_cast<void*>(segment.base);
     for (std::size_t i = 0; i < segment.count; ++i) {
       unmap(static_cast<char*>(base) + segment.slots[i].offset, segment.slots[i].size);
     }
-    free_range(base, segment.size);
+    if (free_address) free_range(base, std::max(segment.size, segment.reserved));
     std::size_t own = 0;
     for (std::size_t i = 0; i < segment.count; ++i) {
       if (segment.slots[i].far) {

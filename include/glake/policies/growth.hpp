@@ -42,15 +42,34 @@ concept growth_policy =
       { cg.reservation(bytes) } noexcept -> std::same_as<std::size_t>;
     };
 
+// ---------------------------------------------------------------------------------------------
+// segment_growth_policy: a growth_policy whose segments grow in place (an optional capability)
+//
+// | expression                 | returns     | throws | meaning
+// |----------------------------|-------------|--------|------------------------------------------
+// | cg.segment_reservation(n)  | std::size_t | no     | address space to reserve for a new segment
+// |                            |             |        | of n bytes: at least n, a multiple of
+// |                            |             |        | chunk; above n, the segment grows in place
+//
+// When a stream's growing segment ends in a free block, new memory mapped after it joins that
+// block, so the tail of a handle partly in use starts the next request instead of being
+// stranded (PyTorch's expandable_segments; docs/stitching.md, "Segments that grow in place").
+// ---------------------------------------------------------------------------------------------
+template <class G>
+concept segment_growth_policy = growth_policy<G> && requires(const G& cg, std::size_t bytes) {
+  { cg.segment_reservation(bytes) } noexcept -> std::same_as<std::size_t>;
+};
+
 /// glake's: handles of chunk x 2^k, largest first, none above `max_handle` nor above
 /// 1/`min_handles` of their segment (so a segment is min_handles to ~2 x min_handles handles
 /// below max_handle, O(log) driver calls, not bytes / chunk); a stitched range reserves
-/// `stitch_reserve` times its size. O(log(n / chunk) + handles) per plan.
+/// `stitch_reserve` times its size, a segment `segment_reserve` bytes (0: segments do not grow).
+/// O(log(n / chunk) + handles) per plan.
 class power_of_two_growth {
  public:
   power_of_two_growth(const config& cfg, std::size_t chunk)
       : chunk_(chunk), max_handle_(largest(cfg, chunk)), min_handles_(cfg.min_handles),
-        stitch_reserve_(cfg.stitch_reserve) {}
+        stitch_reserve_(cfg.stitch_reserve), segment_reserve_(cfg.segment_reserve) {}
 
   void plan_handles(std::size_t bytes, std::vector<std::size_t>& out) const {
     out.clear();
@@ -75,6 +94,13 @@ class power_of_two_growth {
     return rounded > size ? rounded : size;
   }
 
+  /// Address space for a new segment of `size` bytes: `segment_reserve` (whole chunks) when
+  /// larger, so that the segment grows in place; else `size`.
+  std::size_t segment_reservation(std::size_t size) const noexcept {
+    const std::size_t want = segment_reserve_ / chunk_ * chunk_;
+    return want > size ? want : size;
+  }
+
   std::size_t max_handle() const noexcept { return max_handle_; }
 
  private:
@@ -91,8 +117,9 @@ class power_of_two_growth {
   std::size_t max_handle_;
   int min_handles_;
   double stitch_reserve_;
+  std::size_t segment_reserve_;
 };
-static_assert(growth_policy<power_of_two_growth>);
+static_assert(segment_growth_policy<power_of_two_growth>);
 
 /// GMLake's: every handle is one chunk and a stitched range reserves exactly what it maps, so
 /// cached ranges never grow in place. `max_handle`, `min_handles` and `stitch_reserve` are
@@ -110,5 +137,6 @@ class chunk_growth {
   std::size_t chunk_;
 };
 static_assert(growth_policy<chunk_growth>);
+static_assert(!segment_growth_policy<chunk_growth>);
 
 }  // namespace glake

@@ -6,11 +6,14 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <algorithm>
 #include <type_traits>
+#include <utility>
 
 #include "glake/allocators/stitching/segment_release.hpp"
 #include "glake/allocators/stitching/stitcher.hpp"
 #include "glake/detail/accounting.hpp"
+#include "glake/policies/growth.hpp"
 #include "glake/stream.hpp"
 
 namespace glake::detail {
@@ -19,7 +22,8 @@ namespace glake::detail {
 // ladder_host
 //
 // What an allocation_ladder asks of the allocator above it: the three rungs that reclaim memory
-// the ladder does not own (the small pool, deferred frees, moves still copying).
+// the ladder does not own (the small pool, deferred frees, moves still copying), and whether an
+// allocation is moved (a segment that grows in place must not move its handles' slots then).
 //
 // | expression          | returns | throws | meaning
 // |---------------------|---------|--------|-------------------------------------------------
@@ -29,14 +33,17 @@ namespace glake::detail {
 // |                     |         |        | for them; whether any were waiting
 // | h.finish_moves()    | void    | no     | deferred moves completed, waiting for their copies
 // |                     |         |        | (their device memory given back)
+// | ch.moving()         | bool    | no     | an allocation is moved or moving (its handles'
+// |                     |         |        | slots are pointed to)
 //
 // Model: stitching_allocator's ladder_link (allocators/stitching_allocator.hpp).
 // ---------------------------------------------------------------------------------------------
 template <class H>
-concept ladder_host = requires(H& h) {
+concept ladder_host = requires(H& h, const H& ch) {
   { h.reclaim_small() } noexcept -> std::same_as<bool>;
   { h.finish_deferred() } noexcept -> std::same_as<bool>;
   { h.finish_moves() } noexcept;
+  { ch.moving() } noexcept -> std::same_as<bool>;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -68,8 +75,9 @@ concept allocation_laddering = requires(L& l, const L& cl, std::size_t n, stream
 /// stitched range whose needed chunks are free; another stream's completed free block; a cached
 /// range repaired or grown in place; then, at three rungs that reclaim more and more (nothing;
 /// deferred frees, cached ranges and free segments for the request; everything free): a new
-/// stitch, reclaimed small-pool blocks, other streams' blocks gathered (or waited for), new
-/// memory for the shortfall only, a new segment. Admission decides at which rungs a new stitch
+/// stitch, reclaimed small-pool blocks, other streams' blocks gathered (or waited for), the
+/// stream's segment grown in place (with a segment_growth_policy), new memory for the shortfall
+/// only, a new segment. Admission decides at which rungs a new stitch
 /// is tried and whether reuse, repair and growing the shortfall are; Stitcher (or no_stitcher)
 /// does them; Release gives memory back; Host reclaims what the ladder does not own.
 /// The attempts are template arguments of one fold, so each is a direct call; attempts that only
@@ -82,6 +90,7 @@ template <class Pool, class Clocks, class Stitcher, class Admission, class Adopt
 class allocation_ladder {
   using self = allocation_ladder;
   using block_type = typename Pool::block_type;
+  using growth_type = std::remove_cvref_t<decltype(std::declval<const Pool&>().growth())>;
   static constexpr bool stitches = !std::is_same_v<Stitcher, no_stitcher>;
 
   // What every attempt is asked.
@@ -142,13 +151,14 @@ class allocation_ladder {
         &self::reuse_cached_stitch, &self::adopt_one_block, &self::repair_cached_stitch,
         // Rung 0: nothing reclaimed.
         &self::template new_stitch_on<0>, &self::reclaim_small_pool, &self::gather_other_streams,
-        &self::wait_for_other_streams, &self::grow_shortfall, &self::new_segment,
+        &self::wait_for_other_streams, &self::grow_in_place, &self::grow_shortfall, &self::new_segment,
         // Rung 1: deferred frees, then cached ranges and free segments for the request.
         &self::template new_stitch_on<1>, &self::finish_deferred_frees, &self::finish_pending_moves,
         &self::release_for_request,
-        &self::grow_shortfall, &self::new_segment,
+        &self::grow_in_place, &self::grow_shortfall, &self::new_segment,
         // Rung 2: everything free released.
-        &self::template new_stitch_on<2>, &self::release_all_free, &self::grow_shortfall, &self::new_segment>(r);
+        &self::template new_stitch_on<2>, &self::release_all_free, &self::grow_in_place, &self::grow_shortfall,
+        &self::new_segment>(r);
   }
   template <auto... Steps>
   void* first_of(const request& r) {
@@ -197,6 +207,34 @@ class allocation_ladder {
     if (!r.may_stitch || !admission_.grow_shortfall()) return nullptr;
     if (void* p = repair(r, true)) return p;
     return stitch(r, true);
+  }
+  // New memory mapped after the end of the stream's growing segment, so that its free last
+  // block (often the tail of a handle partly in use) starts the request; or a new growing
+  // segment. Only with a Growth that reserves room for segments (segment_growth_policy), and
+  // only when a stitch with growth would not make less new memory (grow_shortfall then runs).
+  void* grow_in_place([[maybe_unused]] const request& r) {
+    if constexpr (segment_growth_policy<growth_type>) {
+      // Never more address space than the device could ever fill.
+      const std::size_t ceiling = pool_.backend().capacity() / pool_.chunk() * pool_.chunk();
+      const std::size_t reserve = std::min(pool_.growth().segment_reservation(r.span), ceiling);
+      if (reserve <= r.span) return nullptr;
+      // Extending moves a segment's slots, which moved allocations point to.
+      if (host_.moving()) return nullptr;
+      std::size_t need = r.span;
+      auto* s = pool_.growing(r.stream);
+      if (s != nullptr) {
+        const block_type* last = pool_.arena().containing(s->mapping.base + s->mapping.size - 1);
+        const std::size_t have = last->free && last->stream == r.stream ? std::min(last->size, r.size) : 0;
+        need = round_up(r.size - have, pool_.chunk());
+        if (need > s->mapping.room()) s = nullptr;
+      }
+      if constexpr (stitches) {
+        if (r.may_stitch && admission_.grow_shortfall() && stitcher_.shortfall(r.span, r.stream) < need) return nullptr;
+      }
+      block_type* b = s != nullptr ? pool_.extend(s, need, r.stream) : pool_.add_segment(r.span, r.stream, reserve);
+      return b == nullptr ? nullptr : hand_out(b, r.size, r.bytes);
+    }
+    return nullptr;
   }
   void* new_segment(const request& r) {
     block_type* b = pool_.add_segment(r.span, r.stream);

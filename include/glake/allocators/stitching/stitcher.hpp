@@ -120,11 +120,22 @@ class stitcher {
   /// A new range over free blocks of `stream` (and, with `may_grow`, new memory for the
   /// shortfall), claimed; or null with nothing changed.
   void* stitch(std::size_t size, std::size_t requested, stream_ref stream, bool may_grow) {
+    return plan(size, stream, may_grow) ? map_new(size, requested, stream) : nullptr;
+  }
+
+  /// The new memory a stitch with growth would make for `size` on `stream` now (whole chunks);
+  /// `size` when it would take no free block. Changes nothing but scratch space.
+  std::size_t shortfall(std::size_t size, stream_ref stream) {
+    return plan(size, stream, true) ? round_up(plan_.grow_bytes, pool_->chunk()) : size;
+  }
+
+ private:
+  bool plan(std::size_t size, stream_ref stream, bool may_grow) {
     candidates_.clear();
     candidate_sizes_.clear();
     // Without growth a plan covers `size` with free blocks' whole handles: when all free bytes
     // together fall short, no walk over the free blocks can find one.
-    if (!may_grow && pool_->arena().free_bytes() < size) return nullptr;
+    if (!may_grow && pool_->arena().free_bytes() < size) return false;
     const std::size_t chunk = pool_->chunk();
     pool_->arena().for_each_free_largest_first(stream, [&](block_type& b) {
       // Handles are whole chunks: from here on, blocks are tails in handles partly in use.
@@ -132,15 +143,16 @@ class stitcher {
       if (const whole_run c = pool_->whole_handles_of(b); c.size > 0) candidates_.push_back(c);
       return candidates_.size() < max_candidates_;
     });
-    if (candidates_.empty() || (!may_grow && candidates_.size() < 2)) return nullptr;
+    if (candidates_.empty() || (!may_grow && candidates_.size() < 2)) return false;
     // Blocks came largest first; their whole-handle parts need not, when handles vary in size.
     std::stable_sort(candidates_.begin(), candidates_.end(),
                      [](const whole_run& a, const whole_run& b) { return a.size > b.size; });
     for (const whole_run& c : candidates_) candidate_sizes_.push_back(c.size);
     const stitch_request ask{size, pool_->chunk(), may_grow};
-    if (!strategy_.plan(ask, candidate_sizes_, plan_) || !plan_is_sound(size)) return nullptr;
-    return map_new(size, requested, stream);
+    return strategy_.plan(ask, candidate_sizes_, plan_) && plan_is_sound(size);
   }
+
+ public:
 
   /// A live range was freed: its blocks go back to their segments and it is cached. `counted`
   /// false: its free was counted already (an allocation freed while offloaded, whose memory came
@@ -247,6 +259,32 @@ class stitcher {
       }
     }
     return false;
+  }
+
+  /// Whether a cached range maps any of the bytes [lo, hi) of `home`.
+  bool cached_maps(const segment* home, std::size_t lo, std::size_t hi) const noexcept {
+    for (const range& s : cache_) {
+      if (s.live) continue;
+      for (const piece& pc : s.pieces) {
+        if (pc.home == home && pc.offset < hi && lo < pc.offset + pc.size) return true;
+      }
+    }
+    return false;
+  }
+
+  /// `from` was split at `offset` into itself and `to` (segment_pool::split): the pieces at or
+  /// past `offset` now lie in `to`. O(pieces of all ranges).
+  void rehome(segment* from, segment* to, std::size_t offset) noexcept {
+    if (from->stitch_refs == 0) return;
+    for (range& s : cache_) {
+      for (piece& pc : s.pieces) {
+        if (pc.home != from || pc.offset < offset) continue;
+        pc.home = to;
+        pc.offset -= offset;
+        --from->stitch_refs;
+        ++to->stitch_refs;
+      }
+    }
   }
 
   /// At destruction (the device synchronized): every range unmapped, live ones too (a live one

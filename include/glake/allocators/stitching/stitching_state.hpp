@@ -64,11 +64,22 @@ auto stitching_allocator<Provider, Reserver, Stitch, Evict, Lock, Admission, Gro
   std::lock_guard guard(lock_);
   free_memory_report r;
   pool_.arena().for_each_block([&](const block_type& b) {
-    if (!b.free) return;
+    if (!b.free) {
+      if (b.owner == nullptr) r.block_rounding += b.size - b.requested;  // rounded to large_round_to
+      return;
+    }
     const std::size_t whole = pool_.whole_handles_of(const_cast<block_type&>(b)).size;
     r.whole_handles += whole;
     r.partial_handles += b.size - whole;
+    // Of the partly used handles' bytes, those in a free block that ends its segment.
+    if (b.end() == b.segment->mapping.base + b.segment->mapping.size) r.partial_at_segment_end += b.size - whole;
   });
+  if constexpr (stitches) {
+    // Stitched ranges claim whole chunks: the bytes beyond their requests.
+    for (const stitched& s : stitcher_.cache()) {
+      if (s.live) r.stitched_tails += s.claimed_bytes - s.requested;
+    }
+  }
   r.small_pool = small_.stats_unlocked().reserved_bytes - small_.stats_unlocked().allocated_bytes;
   return r;
 }
