@@ -81,11 +81,9 @@ struct no_device_scope {
 /// only; release_pool drops a use, and a pool without uses gives its memory back as its blocks
 /// are freed. A pool out of memory has the general allocator's cached memory released and tries
 /// once more. While a device has pools, each free and record_stream there takes one mutex and
-/// one hash lookup more; without pools, one atomic load. Statistics are the sums over the
-/// general allocator and the pools, except the peak reserved: the highest general + pools sum seen
-/// (sampled after each allocation while pools hold memory), not the sum of peaks that came at
-/// different times; the counts of pools given back stay in them. The memory limit applies to the general allocator
-/// only.
+/// one hash lookup more; without pools, one atomic load. Statistics: sums over the general
+/// allocator and the pools (those given back too), but the peak reserved is the highest sum seen
+/// (combined_peak). The memory limit applies to the general allocator only.
 ///
 /// Memory history (record_history; off by default, then one atomic load per call): per device,
 /// the newest `max_entries` of alloc, free_requested and oom (seen here), and, for an
@@ -621,8 +619,7 @@ class pluggable_allocator {
     // The highest peaks seen before the last reset_peak (the allocator's own restart there).
     std::atomic<std::size_t> lifetime_active{0};
     std::atomic<std::size_t> lifetime_reserved{0};
-    // The highest general + pools reserved bytes seen since the last reset_peak, sampled after
-    // each allocation while the pools hold memory (see combined_peak).
+    // The highest general + pools reserved sum sampled since reset_peak (see combined_peak).
     std::atomic<std::size_t> combined_peak{0};
     pools_type pools;  // CUDA graphs' private pools
     static_assert(!memory_retaining_allocator<Allocator> || graph_pooling<pools_type>);  // begin needs it
@@ -678,11 +675,9 @@ class pluggable_allocator {
     return st;
   }
 
-  // The peak of general + pools reserved bytes. The sum of the allocators' own peaks bounds it
-  // from above but counts memory twice when the peaks came at different times (the general
-  // allocator's while a model loads, a graph's pool's during its capture): reported instead is
-  // the highest of the general allocator's exact peak, the sum sampled after each allocation
-  // while the pools held memory, and the sum now. Without pools it is the general peak, exact.
+  // General + pools peak reserved: the sum of their peaks would count memory twice when the peaks
+  // came apart (a model's load, a graph's capture); so the highest of the general peak, the sums
+  // sampled while pools held memory, and the sum now. Without pools: the general peak, exact.
   static std::size_t combined_peak(const slot& s, std::size_t general_peak, const statistics& summed) noexcept {
     if (summed.peak_reserved_bytes == general_peak) return general_peak;  // no pool held memory
     return std::min(summed.peak_reserved_bytes,
@@ -694,8 +689,7 @@ class pluggable_allocator {
     if (const std::size_t pools = s.pools.reserved_bytes(); pools != 0) {
       try {
         slot::raise(s.combined_peak, s.allocator->reserved_bytes() + pools);
-      } catch (...) {  // a lock that failed: this sample is lost, the peak stays a lower bound
-      }
+      } catch (...) {}  // a lock that failed: the sample is lost, the peak stays a lower bound
     }
   }
 
