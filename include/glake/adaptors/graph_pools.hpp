@@ -314,14 +314,13 @@ class graph_pools {
     p->allocator->deallocate(q, bytes, stream);
     owner_.erase(it);
     --p->live;
-    if (p->uses == 0) {
-      if (p->live == 0) {
-        retire(p);
-      } else {
-        release_unused(p);
-      }
+    if (p->uses != 0) {
+      recount(p);
+    } else if (p->live == 0) {
+      retire(p);  // p is gone
+    } else {
+      release_unused(p);
     }
-    if (p->uses != 0 || p->live != 0) recount(p);  // (a retired pool is gone)
     return true;
   }
 
