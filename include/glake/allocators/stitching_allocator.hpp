@@ -45,42 +45,30 @@
 namespace glake {
 
 /// Physical memory comes in handles (Growth decides their sizes) mapped back to back into a
-/// segment's own range; blocks are pieces of a segment, split at `config::large_round_to` (512 B
-/// by default, as PyTorch's large pool), so a block's rounding tail serves the next request
-/// instead of holding up to a chunk. A stitch maps only whole handles of free blocks; new memory
-/// comes in whole chunks. A request above `small_limit` is served by the first attempt of a ladder
-/// that succeeds: free block, cached stitch, other streams, repair, then three rungs that reclaim
-/// more and more (stitching/allocation_ladder.hpp lists them; docs/stitching.md explains each).
-/// Admission decides whether and when to stitch, reuse or repair; Stitch which free blocks a new
-/// stitch maps; Growth the handle sizes and the address space a stitched range reserves; Evict
-/// which cached range or free segment goes first. Requests up to `small_limit` go to a small pool
-/// (a caching_allocator) whose segments are borrowed blocks of this pool, returned whenever this
-/// pool would otherwise grow.
+/// segment's own range; blocks are pieces of a segment, split at `config::large_round_to`. A
+/// request above `small_limit` is served by the first rung of a ladder that succeeds: free block,
+/// cached stitch, other streams, repair, then three rungs that reclaim more and more
+/// (stitching/allocation_ladder.hpp lists them; docs/stitching.md explains each). Admission
+/// decides whether and when to stitch, reuse or repair; Stitch which free blocks a new stitch
+/// maps; Growth the handle sizes; Evict which cached range or free segment goes first. Requests up
+/// to `small_limit` go to a small pool (a caching_allocator) over borrowed blocks of this pool.
+/// A stitched range also stays mapped in its home segments: cached ranges cost address space and
+/// mappings, not memory. Statistics count physical memory once.
 ///
-/// A stitched range also stays mapped in its home segments, so cached ranges cost address space
-/// and mappings, not memory; their chunks may be in use elsewhere meanwhile, which is why reuse
-/// checks that the needed chunks are free. Statistics count physical memory once.
-///
-/// Complexity: the cached steps are O(log n) (a bounded number of candidates); a stitch costs
-/// O(k log n) for k pieces plus one map per handle. No heap allocation on the cached path once warm.
-/// Thread safety: as the Lock policy; one lock per public call. The default `no_lock` is for one
-/// thread only.
-/// Streams: free blocks and stitches belong to a stream and are reused on it at once; other
-/// streams take them once the work queued before their free has completed (stitching/stream_clocks
-/// records the events, stitching/stream_adoption moves the blocks, stitching/deferred_frees holds
-/// record_stream'd frees; see docs/streams.md). A cached range is unmapped, and physical memory
-/// released, only once the work that may use it has completed.
+/// Complexity: the cached steps are O(log n); a stitch costs O(k log n) for k pieces plus one map
+/// per handle. No heap allocation on the cached path once warm.
+/// Thread safety: as the Lock policy; one lock per public call (`no_lock`: one thread only).
+/// Streams: blocks and stitches belong to a stream; other streams take them once the work queued
+/// before their free has completed (docs/streams.md). Memory is unmapped or released only once
+/// the work that may use it has completed.
 /// Errors: allocate throws out_of_memory (state unchanged, allocator usable); try_allocate returns
-/// null; misuse throws usage_error; a backend failure throws its error after a full rollback. A
-/// failed event query only means "not completed yet".
-/// Observation: visit_state shows segments, blocks and stitched ranges (O(blocks), under the
-/// lock); a memory_observer, when set, hears of segments added and given back, of each stitched
-/// range while it holds an allocation (segment_map / segment_unmap), and of each free once its
-/// memory is reusable (free_completed; later than the call for a record_stream'd free).
-/// retain_memory(true) keeps every mapping and every byte (for a CUDA graph's private pool).
+/// null; misuse throws usage_error; a backend failure throws its error after a full rollback.
+/// Observation: visit_state (under the lock); a memory_observer hears of segments added and given
+/// back, of stitched ranges while they hold an allocation, and of each free once its memory is
+/// reusable. retain_memory(true) keeps every mapping and every byte (a CUDA graph's pool).
 /// Offload: with far memory attached, offload(p) / prefetch(p) move a live large allocation's
-/// whole handles to far memory and back, the pointer unchanged: offload_ (stitching_offload) finds
-/// and checks them, mover_ (allocation_mover) moves them (docs/offload.md, "Allocator blocks").
+/// whole handles to far memory and back, the pointer unchanged: offload_ (stitching_offload)
+/// finds and checks them, mover_ (allocation_mover) moves them (docs/offload.md).
 template <physical_provider Provider, address_reserver_for<Provider> Reserver,
           stitching_strategy Stitch = best_fit_tail_stitching, eviction_policy Evict = lru_eviction,
           lock_policy Lock = no_lock, stitch_admission Admission = gmlake_admission,
@@ -180,61 +168,21 @@ class stitching_allocator {
   using provider_type = Provider;
   using reserver_type = Reserver;
 
-  stitching_allocator(Provider provider, Reserver reserver, config cfg = {})
-      : config_(validated(cfg)),
-        admission_(config_),
-        mover_(mover_link{this}),
-        pool_(std::move(provider), std::move(reserver), config_, counters_),
-        clocks_(make_events(), config_.event_interval_us),
-        stitcher_(make_stitcher()),
-        adoption_(max_candidates, max_reuse_probes),
-        release_(pool_, clocks_, adoption_, stitcher_, &mover_),
-        ladder_(pool_, clocks_, counters_, admission_, stitcher_, adoption_, release_, ladder_link{this},
-                config_.large_round_to == 0
-                    ? pool_.chunk()
-                    : std::min(std::max(config_.large_round_to, config_.round_to), pool_.chunk())),
-        offload_(pool_, clocks_, stitcher_, deferred_, mover_, counters_, offload_link{this}),
-        small_(borrowed_segment_source<small_lender>(small_lender{this}), small_rules(config_)) {
-    pool_.backend().keep_spares(config_.move_spares, &counters_);
-    small_.set_live_report(nullptr);  // its live blocks are this allocator's, reported here
-  }
+  stitching_allocator(Provider provider, Reserver reserver, config cfg = {});
   stitching_allocator(const stitching_allocator&) = delete;
   stitching_allocator& operator=(const stitching_allocator&) = delete;
   /// Gives every segment back, live allocations or not, and tells the live_report of live ones.
-  ~stitching_allocator() {
-    release_everything();
-    detail::report_live(live_report_, name, counters_.s);
-  }
+  ~stitching_allocator();
 
   /// At least `bytes` bytes on `stream`: aligned to `round_to` for small requests and to
   /// `large_round_to` (at least `round_to`) for large ones. Zero bytes gives null.
-  void* allocate(std::size_t bytes, stream_ref stream = default_stream) {
-    std::lock_guard guard(lock_);
-    if (bytes == 0) return nullptr;
-    if (void* p = allocate_locked(bytes, stream)) {
-      if (observer_ != nullptr) tell_if_stitched(p, bytes);
-      return p;
-    }
-    ++counters_.s.failed_allocations;
-    detail::throw_out_of_memory(name, bytes, stream, stats_locked(), pool_.largest_free_block(),
-                                pool_.backend().memory_limit());
-  }
+  void* allocate(std::size_t bytes, stream_ref stream = default_stream);
 
   /// As allocate, but null when out of memory.
-  void* try_allocate(std::size_t bytes, stream_ref stream = default_stream) {
-    std::lock_guard guard(lock_);
-    if (bytes == 0) return nullptr;
-    void* p = allocate_locked(bytes, stream);
-    if (p == nullptr) ++counters_.s.failed_allocations;
-    if (p != nullptr && observer_ != nullptr) tell_if_stitched(p, bytes);
-    return p;
-  }
+  void* try_allocate(std::size_t bytes, stream_ref stream = default_stream);
 
   /// Returns memory. `bytes` must be the size given to allocate. Null is ignored.
-  void deallocate(void* p, std::size_t bytes, stream_ref stream = default_stream) {
-    std::lock_guard guard(lock_);
-    deallocate_locked(p, bytes, stream);
-  }
+  void deallocate(void* p, std::size_t bytes, stream_ref stream = default_stream);
 
   /// The allocation at `p` is also used by work on `stream` (PyTorch's record_stream): when it is
   /// freed, its memory is reused only after the work queued on `stream` by then has completed.
@@ -254,10 +202,8 @@ class stitching_allocator {
   }
 
   /// Gives spare handles (config::move_spares), then fully free segments back until at least
-  /// `bytes` went back, or none is left; returns how many bytes went back. Lets memory that
-  /// moves into the device from elsewhere (a virtual_buffer's prefetch) take the place of what
-  /// this allocator caches, without emptying the whole cache. While retaining memory
-  /// (retain_memory), only the spares (mapped nowhere) go.
+  /// `bytes` went back, or none is left; returns the bytes that went (memory moving in from
+  /// elsewhere takes their place). While retaining memory, only the spares go.
   std::size_t release_cached(std::size_t bytes) {
     std::lock_guard guard(lock_);
     mover_.complete_ready(true);
@@ -273,12 +219,9 @@ class stitching_allocator {
     return released;
   }
 
-  /// As release_cached(bytes), but never waits for the device: spare handles (no work uses
-  /// them) and only fully free segments whose last free's work is known complete (the streams'
-  /// events, polled) go back; the others stay.
-  /// For a caller on a hot path that can take fresh memory instead (a prefetch during backward).
-  /// With one stream, frees are not followed by events (nothing else needs them); the first call
-  /// turns that on, so from then on frees become releasable once their work completed.
+  /// As release_cached(bytes), but never waits for the device: only spares and fully free
+  /// segments whose last free's work is known complete go back (for a hot path that can take
+  /// fresh memory instead). The first call makes frees followed by events even on one stream.
   std::size_t release_completed(std::size_t bytes) {
     std::lock_guard guard(lock_);
     track_completion_ = true;
@@ -301,17 +244,11 @@ class stitching_allocator {
     return pool_.backend().memory_limit();
   }
 
-  statistics stats() const {
-    std::lock_guard guard(lock_);
-    return stats_locked();
-  }
+  statistics stats() const;
 
-  /// While `retain` holds, no memory goes back to the backend and no mapping is removed or
-  /// changed: fully free segments and cached stitched ranges stay, cached ranges are reused as
-  /// they are but not repaired; growth and reuse of its own free memory go on. Every address
-  /// handed out keeps its physical memory, which a CUDA graph captured over this allocator's
-  /// memory needs (its replays use the addresses captured, freed since or not). A request that
-  /// only releasing would serve fails instead.
+  /// While `retain` holds, no memory goes back and no mapping is removed or changed (cached
+  /// ranges are reused as they are, not repaired): every address handed out keeps its memory, as
+  /// a CUDA graph captured over it needs. A request that only releasing would serve fails.
   void retain_memory(bool retain) {
     std::lock_guard guard(lock_);
     if (retain) mover_.complete_ready(true);  // no remap may come later
@@ -362,15 +299,10 @@ class stitching_allocator {
     return mover_.away_unmapped() ? far_residence::unmapped : far_residence::mapped;
   }
 
-  /// Marks the live allocation at `p` as not written while it is on the device (frozen weights,
-  /// lookup tables), or unmarks it (`keep` false). A marked allocation keeps its far copy when
-  /// it comes back (prefetch), so its next offload copies nothing: once the work using it is
-  /// done, its addresses take the far handles back (unmapped, with far_residence::unmapped)
-  /// and its device memory goes. The copy holds far memory while the allocation is on the
-  /// device (far_copy_bytes); unmarking or freeing it releases the copy (a pending move of p
-  /// completes first). Writing a marked allocation on the device is lost at its next offload.
-  /// usage_error with no far memory attached or for a pointer that is not a live large
-  /// allocation here. O(log allocations).
+  /// Marks the live allocation at `p` as not written on the device (frozen weights), or unmarks
+  /// it: it keeps its far copy when prefetched, so its next offload copies nothing (writes on the
+  /// device are lost then). The copy holds far memory (far_copy_bytes) until unmarked or freed.
+  /// usage_error with no far memory or for a pointer not a live large allocation. O(log n).
   void keep_far_copy(const void* p, bool keep = true) {
     std::lock_guard guard(lock_);
     offload_.keep_far_copy(p, keep);
@@ -774,24 +706,92 @@ class stitching_allocator {
   [[no_unique_address]] mutable Lock lock_;
 };
 
-static_assert(stream_recording_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
-static_assert(snapshotting_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
-static_assert(observable_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
-static_assert(memory_retaining_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
-static_assert(snapshotting_allocator<
-              stitching_allocator<detail::provider_archetype, detail::evented_reserver_archetype, no_stitching>>);
-static_assert(memory_limiting_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
-static_assert(owning_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
-static_assert(cache_releasing_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
-static_assert(partly_cache_releasing_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
-static_assert(completion_releasing_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
-static_assert(peak_resetting_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
-static_assert(offloading_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
-static_assert(far_copy_keeping_allocator<stitching_allocator<detail::provider_archetype, detail::reserver_archetype>>);
-static_assert(deferring_offloading_allocator<
-              stitching_allocator<detail::provider_archetype, detail::evented_reserver_archetype, no_stitching>>);
-static_assert(stream_recording_allocator<
-              stitching_allocator<detail::provider_archetype, detail::evented_reserver_archetype, no_stitching>>);
+// Its members every user calls are defined out of the class, so that an `extern template` of them
+// (presets.hpp, GLAKE_PRESETS_EXTERN) spares a translation unit their instantiation.
+template <physical_provider Provider, address_reserver_for<Provider> Reserver, stitching_strategy Stitch,
+          eviction_policy Evict, lock_policy Lock, stitch_admission Admission, growth_policy Growth>
+stitching_allocator<Provider, Reserver, Stitch, Evict, Lock, Admission, Growth>::stitching_allocator(
+    Provider provider, Reserver reserver, config cfg)
+    : config_(validated(cfg)),
+      admission_(config_),
+      mover_(mover_link{this}),
+      pool_(std::move(provider), std::move(reserver), config_, counters_),
+      clocks_(make_events(), config_.event_interval_us),
+      stitcher_(make_stitcher()),
+      adoption_(max_candidates, max_reuse_probes),
+      release_(pool_, clocks_, adoption_, stitcher_, &mover_),
+      ladder_(pool_, clocks_, counters_, admission_, stitcher_, adoption_, release_, ladder_link{this},
+              config_.large_round_to == 0
+                  ? pool_.chunk()
+                  : std::min(std::max(config_.large_round_to, config_.round_to), pool_.chunk())),
+      offload_(pool_, clocks_, stitcher_, deferred_, mover_, counters_, offload_link{this}),
+      small_(borrowed_segment_source<small_lender>(small_lender{this}), small_rules(config_)) {
+  pool_.backend().keep_spares(config_.move_spares, &counters_);
+  small_.set_live_report(nullptr);  // its live blocks are this allocator's, reported here
+}
+
+template <physical_provider Provider, address_reserver_for<Provider> Reserver, stitching_strategy Stitch,
+          eviction_policy Evict, lock_policy Lock, stitch_admission Admission, growth_policy Growth>
+stitching_allocator<Provider, Reserver, Stitch, Evict, Lock, Admission, Growth>::~stitching_allocator() {
+  release_everything();
+  detail::report_live(live_report_, name, counters_.s);
+}
+
+template <physical_provider Provider, address_reserver_for<Provider> Reserver, stitching_strategy Stitch,
+          eviction_policy Evict, lock_policy Lock, stitch_admission Admission, growth_policy Growth>
+void* stitching_allocator<Provider, Reserver, Stitch, Evict, Lock, Admission, Growth>::allocate(
+    std::size_t bytes, stream_ref stream) {
+  std::lock_guard guard(lock_);
+  if (bytes == 0) return nullptr;
+  if (void* p = allocate_locked(bytes, stream)) {
+    if (observer_ != nullptr) tell_if_stitched(p, bytes);
+    return p;
+  }
+  ++counters_.s.failed_allocations;
+  detail::throw_out_of_memory(name, bytes, stream, stats_locked(), pool_.largest_free_block(),
+                              pool_.backend().memory_limit());
+}
+
+template <physical_provider Provider, address_reserver_for<Provider> Reserver, stitching_strategy Stitch,
+          eviction_policy Evict, lock_policy Lock, stitch_admission Admission, growth_policy Growth>
+void* stitching_allocator<Provider, Reserver, Stitch, Evict, Lock, Admission, Growth>::try_allocate(
+    std::size_t bytes, stream_ref stream) {
+  std::lock_guard guard(lock_);
+  if (bytes == 0) return nullptr;
+  void* p = allocate_locked(bytes, stream);
+  if (p == nullptr) ++counters_.s.failed_allocations;
+  if (p != nullptr && observer_ != nullptr) tell_if_stitched(p, bytes);
+  return p;
+}
+
+template <physical_provider Provider, address_reserver_for<Provider> Reserver, stitching_strategy Stitch,
+          eviction_policy Evict, lock_policy Lock, stitch_admission Admission, growth_policy Growth>
+void stitching_allocator<Provider, Reserver, Stitch, Evict, Lock, Admission, Growth>::deallocate(
+    void* p, std::size_t bytes, stream_ref stream) {
+  std::lock_guard guard(lock_);
+  deallocate_locked(p, bytes, stream);
+}
+
+template <physical_provider Provider, address_reserver_for<Provider> Reserver, stitching_strategy Stitch,
+          eviction_policy Evict, lock_policy Lock, stitch_admission Admission, growth_policy Growth>
+statistics stitching_allocator<Provider, Reserver, Stitch, Evict, Lock, Admission, Growth>::stats() const {
+  std::lock_guard guard(lock_);
+  return stats_locked();
+}
+
+namespace detail {
+using stitching_archetype = stitching_allocator<provider_archetype, reserver_archetype>;
+using evented_stitching_archetype = stitching_allocator<provider_archetype, evented_reserver_archetype, no_stitching>;
+}  // namespace detail
+static_assert(stream_recording_allocator<detail::stitching_archetype> && snapshotting_allocator<detail::stitching_archetype>);
+static_assert(observable_allocator<detail::stitching_archetype> && memory_retaining_allocator<detail::stitching_archetype>);
+static_assert(memory_limiting_allocator<detail::stitching_archetype> && owning_allocator<detail::stitching_archetype>);
+static_assert(cache_releasing_allocator<detail::stitching_archetype> && partly_cache_releasing_allocator<detail::stitching_archetype>);
+static_assert(completion_releasing_allocator<detail::stitching_archetype>);
+static_assert(peak_resetting_allocator<detail::stitching_archetype> && offloading_allocator<detail::stitching_archetype>);
+static_assert(far_copy_keeping_allocator<detail::stitching_archetype>);
+static_assert(snapshotting_allocator<detail::evented_stitching_archetype> && deferring_offloading_allocator<detail::evented_stitching_archetype>);
+static_assert(stream_recording_allocator<detail::evented_stitching_archetype>);
 
 }  // namespace glake
 
