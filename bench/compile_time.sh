@@ -62,24 +62,30 @@ cat > "$work/std_only.cpp" <<'CPP'
 #include <boost/intrusive/set.hpp>
 CPP
 
-# row: NAME FLAGS... -- SOURCE ; prints "seconds wall / cpu"
+# The "memory" column is g++'s garbage-collected memory for the file (-ftime-report's TOTAL GGC):
+# it does not vary with the machine's load, so it compares two versions even on a busy machine.
+ggc=()
+if "$cxx" --version | head -n 1 | grep -q 'g++\|GCC'; then ggc=(-ftime-report); fi
+
+# row: NAME FLAGS... -- SOURCE ; prints "seconds wall / cpu / memory"
 measure() {
   local name="$1" source="$2"; shift 2
-  local best_wall="" best_cpu=""
+  local best_wall="" best_cpu="" memory="-"
   for ((i = 0; i < repeat; i++)); do
-    /usr/bin/time -o "$work/time" -f "%e %U %S" "$cxx" -std=c++20 -I"$include" "$@" "$work/$source" \
+    /usr/bin/time -o "$work/time" -f "%e %U %S" "$cxx" -std=c++20 -I"$include" "${ggc[@]}" "$@" "$work/$source" \
       -o "$work/out.o" >/dev/null 2>"$work/err" || { echo "$name: compile failed:"; cat "$work/err"; return 1; }
+    if ((${#ggc[@]})); then memory=$(awk '/^ TOTAL/ { print $NF }' "$work/err"); fi
     read -r wall user sys < <(tail -n 1 "$work/time")
     local cpu
     cpu=$(awk -v u="$user" -v s="$sys" 'BEGIN { printf "%.2f", u + s }')
     if [[ -z "$best_wall" ]] || awk -v a="$wall" -v b="$best_wall" 'BEGIN { exit !(a < b) }'; then best_wall="$wall"; fi
     if [[ -z "$best_cpu" ]] || awk -v a="$cpu" -v b="$best_cpu" 'BEGIN { exit !(a < b) }'; then best_cpu="$cpu"; fi
   done
-  printf '%-72s %6s s %6s s\n' "$name" "$best_wall" "$best_cpu"
+  printf '%-72s %6s s %6s s %8s\n' "$name" "$best_wall" "$best_cpu" "$memory"
 }
 
 printf '%s, least of %s runs, include %s\n' "$("$cxx" --version | head -n 1)" "$repeat" "$include"
-printf '%-72s %8s %8s\n' "translation unit" "wall" "cpu"
+printf '%-72s %8s %8s %8s\n' "translation unit" "wall" "cpu" "memory"
 measure "glake.hpp + empty main, -fsyntax-only" umbrella.cpp -fsyntax-only
 measure "glake.hpp + empty main, -O2 -c" umbrella.cpp -O2 -c
 measure "stitching_allocator.hpp alone, -fsyntax-only" stitching_alone.cpp -fsyntax-only

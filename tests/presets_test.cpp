@@ -20,6 +20,12 @@ static_assert(std::is_same_v<shared_sim_stitching_allocator,
                                                  mutex_lock>>);
 static_assert(std::is_same_v<host_caching_allocator<mutex_lock>,
                              caching_allocator<vmm_segment_source<host_provider, host_reserver>, mutex_lock>>);
+// Each preset is the allocator its name says (concepts of allocators/concepts.hpp).
+static_assert(allocator<host_stitching_allocator<>> && owning_allocator<host_stitching_allocator<>>);
+static_assert(stream_recording_allocator<shared_host_stitching_allocator>);
+static_assert(owning_allocator<host_caching_allocator<>> && cache_releasing_allocator<host_caching_allocator<mutex_lock>>);
+static_assert(allocator<sim_stitching_allocator<>> && memory_limiting_allocator<shared_sim_stitching_allocator>);
+static_assert(owning_allocator<sim_caching_allocator<>> && peak_resetting_allocator<sim_caching_allocator<mutex_lock>>);
 // with_lock_t keeps the other policies of a composition that is no preset.
 using largest_first = stitching_allocator<sim_provider, sim_reserver, largest_first_stitching, lru_eviction>;
 static_assert(std::is_same_v<with_lock_t<largest_first, mutex_lock>,
