@@ -25,10 +25,10 @@ blocks after them, and the last blocks, needed first in backward, stay. The firs
 with no units seen yet, sends every eligible tensor. Each copy goes on an offload stream that
 waits for the compute stream (an event, not the host), into a pinned buffer of a pool reused across
 steps; the device storage is marked used by the offload stream (record_stream) and dropped, so
-the allocator reuses it only once the copy is done. The launching thread waits only when more
-than `max_inflight_bytes` of copies are pending (the caching allocator serves memory at launch
-time, so a forward pass launched far ahead of its copies would allocate before any of them freed
-anything). In backward, a gradient hook on each block's output (it fires before the block's
+the allocator reuses it only once the copy is done. The launching thread waits only when the
+pending copies hold more than the forward pass's end allows (`max_inflight_bytes` plus what the
+kept units still to come will add): the caching allocator serves memory at launch time, so a
+forward pass launched far ahead of its copies would allocate before any of them freed anything. In backward, a gradient hook on each block's output (it fires before the block's
 backward) and every unpack bring the tensors below back on a prefetch stream, `prefetch_bytes`
 ahead; unpack makes the compute stream wait for its tensor's event.
 
@@ -40,6 +40,7 @@ is locked (buffers come back from the autograd thread)."""
 
 import collections
 import threading
+import time
 import weakref
 
 __all__ = ["offload_activations"]
@@ -207,13 +208,17 @@ class _CudaTransport:
         stream.wait_event(offloaded)
         with torch.cuda.stream(stream):
             flat.copy_(host, non_blocking=True)
-        flat.record_stream(stream)  # freed before use (no backward): not reused under the copy
         ready = torch.cuda.Event()
         ready.record(stream)
         return flat, ready
 
     def wait(self, ready):
         self.torch.cuda.current_stream(self.device).wait_event(ready)
+
+    def discard(self, flat):
+        """A prefetched storage dropped without an unpack (whose wait would have ordered its
+        free after the copy): the allocator must not reuse it under the copy."""
+        flat.record_stream(self.prefetch_stream)
 
     @staticmethod
     def done(event):
@@ -258,6 +263,9 @@ class _HostCopies:
     def wait(self, ready):
         self.log.append(("wait", ready.nbytes))
 
+    def discard(self, flat):
+        self.log.append(("discard", flat.numel()))
+
     @staticmethod
     def done(event):
         return event.complete
@@ -291,6 +299,9 @@ class _Stored:
 
     def __del__(self):  # the graph that saved it is gone (no backward, or retain_graph)
         try:
+            device, self.device = self.device, None
+            if device is not None:
+                self.transport.discard(device)
             self.give_back()
         except Exception:  # interpreter shutdown
             pass
@@ -368,8 +379,10 @@ class offload_activations:
     min_bytes:     smaller saved tensors stay (1 MiB).
     prefetch_bytes: bytes brought back ahead of backward's position (None: twice the largest
                    offloaded unit of the last forward pass, at least 64 MiB).
-    max_inflight_bytes: the launching thread waits for the oldest copy when more are pending
-                   (None: twice the largest offloaded unit, 1 GiB in the first pass).
+    max_inflight_bytes: pending copies (device memory not yet freed) allowed at the forward
+                   pass's end; before it, also what the kept units still to come will add. The
+                   launching thread waits for the oldest copy beyond that (None: the largest
+                   offloaded unit, at least 64 MiB; 1 GiB in the first pass).
     parameters:    tensors never to move (besides nn.Parameter and views of them): e.g. a model's
                    buffers. With `blocks`, their parameters are added.
     device:        the CUDA device (None: the current one).
@@ -417,6 +430,7 @@ class offload_activations:
         self._unit = 0
         self._last_units = []
         self._largest = 0  # largest offloaded unit of the last pass
+        self._kept_after = []  # per unit: the kept bytes of the units after it (last pass)
         self._inflight = collections.deque()
         self._inflight_bytes = 0
         self._position = 0
@@ -505,6 +519,12 @@ class offload_activations:
         if self._last_units:
             self._plan = set(self.policy.select(self._last_units))
             self._largest = max((self._last_units[i] for i in self._plan if i < len(self._last_units)), default=0)
+            kept_after, total = [0] * len(self._last_units), 0
+            for i in range(len(self._last_units) - 1, -1, -1):
+                kept_after[i] = total
+                if i not in self._plan:
+                    total += self._last_units[i]
+            self._kept_after = kept_after
         self._transport.pool.next_step()
         self._active = _Forward(self)
         self._units, self._unit = [0], 0
@@ -594,10 +614,11 @@ class offload_activations:
             self._units.append(0)  # without blocks, each record is a unit of its own
         if kept:
             self._stats["kept_bytes"] += nbytes
+            self._throttle(unit, 0)  # the copies still pending must have room beside it
             return stored
         torch = self._torch
         flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-        self._throttle(nbytes)
+        self._throttle(unit, nbytes)
         stored.host, stored.offloaded = self._transport.offload(flat)
         self._inflight.append((stored.offloaded, nbytes))
         self._inflight_bytes += nbytes
@@ -606,19 +627,28 @@ class offload_activations:
         self._stats["offloaded_tensors"] += 1
         return stored
 
-    def _throttle(self, nbytes):
-        """Waits for the oldest pending copies until this one of `nbytes` fits under the limit."""
+    def _throttle(self, unit, nbytes):
+        """Waits for the oldest pending copies until this one of `nbytes` fits: pending copies hold
+        device memory, and the forward pass's peak is at its end, so they may hold as much as the
+        kept units still to come will add (kept_after) plus max_inflight_bytes, which is all
+        they may hold by then."""
         transport = self._transport
         while self._inflight and transport.done(self._inflight[0][0]):
             self._inflight_bytes -= self._inflight.popleft()[1]
-        limit = self.max_inflight_bytes
-        if limit is None:
-            limit = 2 * self._largest if self._plan is not None and self._largest else 1 << 30
+        if self._plan is None:
+            limit = self.max_inflight_bytes if self.max_inflight_bytes is not None else 1 << 30
+        else:
+            limit = self.max_inflight_bytes if self.max_inflight_bytes is not None else max(self._largest, 64 << 20)
+            limit += self._kept_after[unit] if unit < len(self._kept_after) else 0
+        if not self._inflight or self._inflight_bytes + nbytes <= limit:
+            return
+        began = time.perf_counter()
         while self._inflight and self._inflight_bytes + nbytes > limit:
-            event, nbytes = self._inflight.popleft()
+            event, pending = self._inflight.popleft()
             transport.synchronize(event)
-            self._inflight_bytes -= nbytes
+            self._inflight_bytes -= pending
             self._stats["throttle_waits"] += 1
+        self._stats["throttle_s"] += time.perf_counter() - began
 
     # -- backward ----------------------------------------------------------------------------------
 
