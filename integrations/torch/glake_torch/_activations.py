@@ -538,7 +538,8 @@ class offload_activations:
     def __exit__(self, *exc):
         self._context.__exit__(*exc)
         self._context = None
-        self._last_units = self._units
+        if any(self._units):  # a pass without saves (no_grad, evaluation) teaches nothing
+            self._last_units = self._units
         self._active = None
         self._keys = {}
         return False

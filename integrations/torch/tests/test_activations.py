@@ -120,6 +120,18 @@ class HooksOnTheCpuTest(unittest.TestCase):
         self.assertEqual(stats["prefetched_bytes"], stats["offloaded_bytes"])
         self.assertEqual(stats["pinned_bytes"], first["pinned_bytes"])  # later passes reuse the pool
 
+    def test_a_pass_without_gradients_leaves_the_plan(self):
+        context = self.context(fraction=0.5)
+        for _ in range(2):
+            _step(self.blocks, self.x, context)
+        plan = context.stats()["plan"]
+        with torch.no_grad(), context:
+            for b in self.blocks:
+                b(self.x)
+        self.assert_same(_step(self.blocks, self.x, context))
+        self.assertEqual(context.stats()["plan"], plan)
+        self.assertEqual(context.stats()["units"][1], 6 * MiB)
+
     def test_without_blocks_every_saved_tensor_is_a_unit(self):
         context = self.context(blocks=False, max_device_bytes=20 * MiB)
         for _ in range(3):
