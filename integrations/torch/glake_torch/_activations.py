@@ -22,7 +22,8 @@ parameters and views or casts of them, tensors not on the device), and keys the 
 and version, so that a storage saved twice moves once. A policy (Fraction, DeviceBytes, Budget)
 picks from the previous forward pass's units which go, earliest first: their copies overlap the
 blocks after them, and the last blocks, needed first in backward, stay. The first forward pass,
-with no units seen yet, sends every eligible tensor. Each copy goes on an offload stream that
+with no units seen yet, sends the blocks a policy names from their count alone (Fraction: the
+first `fraction` of them) or, where it names none, every eligible tensor. Each copy goes on an offload stream that
 waits for the compute stream (an event, not the host), into a pinned buffer of a pool reused across
 steps; the device storage is marked used by the offload stream (record_stream) and dropped, so
 the allocator reuses it only once the copy is done. The launching thread waits only when the
@@ -57,6 +58,9 @@ __all__ = ["offload_activations"]
 #
 # The three below pick a prefix (earliest first): those copies have the most compute to hide
 # behind, and the units needed first in backward stay.
+#
+# Optional: p.first_pass(block_count) -> iterable of block indices: what goes in the first forward
+# pass, before any unit was seen (without it, every eligible tensor goes then).
 
 
 def _prefix(unit_bytes, keep_going):
@@ -81,6 +85,9 @@ class Fraction:
     def select(self, unit_bytes):
         target = self.fraction * sum(unit_bytes)
         return _prefix(unit_bytes, lambda total, n: n > 0 and total + n / 2 <= target or n == 0 and total < target)
+
+    def first_pass(self, block_count):
+        return range(round(self.fraction * block_count))
 
     def __repr__(self):
         return f"Fraction({self.fraction})"
@@ -426,6 +433,8 @@ class offload_activations:
         self._active = None  # the _Forward under way
         self._context = None
         self._plan = None  # set of unit indices to offload, None before the first pass
+        self._first = None  # the first pass's block indices to offload (None: every eligible tensor)
+        self._block = None  # the block whose forward is running
         self._units = []  # eligible bytes per unit of the forward pass under way
         self._unit = 0
         self._last_units = []
@@ -484,6 +493,8 @@ class offload_activations:
             self._transport = _CudaTransport(torch, device)
         if self.policy is None:
             self.policy = Budget(self.budget, self._in_use, self.scheduler)
+        if self.blocks is not None and hasattr(self.policy, "first_pass"):
+            self._first = set(self.policy.first_pass(len(self.blocks)))
         for t in self._skip_sources:
             try:
                 self._skip.add(t.untyped_storage().data_ptr())
@@ -528,6 +539,7 @@ class offload_activations:
         self._transport.pool.next_step()
         self._active = _Forward(self)
         self._units, self._unit = [0], 0
+        self._block = None
         self._position = 0
         self._keys = {}
         self._context = self._torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -551,6 +563,7 @@ class offload_activations:
     def _block_begins(self, index):
         if self._active is None:
             return
+        self._block = index
         self._next_unit()
         self._active.block_start.setdefault(index, self._position)
 
@@ -558,6 +571,7 @@ class offload_activations:
         forward = self._active
         if forward is None:
             return
+        self._block = None
         self._next_unit()
         start = forward.block_start.get(index, self._position)
         for t in output if isinstance(output, (tuple, list)) else (output,):
@@ -608,7 +622,10 @@ class offload_activations:
         unit = self._unit if self.blocks is not None else len(self._units) - 1
         position = self._position
         self._position += 1
-        kept = self._plan is not None and unit not in self._plan
+        if self._plan is not None:
+            kept = unit not in self._plan
+        else:  # the first pass: the blocks the policy names from their count, else everything
+            kept = self._first is not None and self._block not in self._first
         stored = _Stored(position, unit, nbytes, kept, self._transport)
         self._units[unit] += nbytes
         if self.blocks is None:
