@@ -46,7 +46,7 @@ MODELS = {
     "8b": (4096, 14336, 32, 32, 8, 32000),   # 7.5 B (Llama 3 8B's, a 32k vocabulary)
 }
 DEFAULT_VARIANTS = "none,glake:0.25,glake:0.5,glake:0.75,save_on_cpu,save_on_cpu:0.5,recompute:0.25,recompute:0.5,recompute:0.75"
-QUICK_VARIANTS = "none,glake:0.3,glake:0.6,save_on_cpu:0.6,recompute:0.6"
+QUICK_VARIANTS = "none,glake:0.25,glake:0.5,save_on_cpu:0.5,recompute:0.25,recompute:0.5"
 
 
 def parse_variant(text):

@@ -186,6 +186,13 @@ class _CudaTransport:
     there so far (that memory's last users). Nothing here waits on the host but synchronize()."""
 
     def __init__(self, torch, device):
+        from . import backend, enabled, hooks
+
+        if enabled() and backend() == "pluggable" and hooks().get("record_stream") != "set_record_stream_fn":
+            # The device storage is dropped while its copy runs: without record_stream the
+            # allocator could hand it out under the copy.
+            raise RuntimeError("glake_torch.offload_activations: glake's pluggable allocator has no record_stream "
+                               f"hook in this PyTorch ({hooks().get('record_stream')}); use the native backend")
         self.torch = torch
         self.device = device
         self.offload_stream = torch.cuda.Stream(device)
