@@ -33,7 +33,9 @@ forward pass launched far ahead of its copies would allocate before any of them 
 backward) and every unpack bring the tensors below back on a prefetch stream, `prefetch_bytes`
 ahead; unpack makes the compute stream wait for its tensor's event.
 
-Limits. A storage moves whole (a small view of a large storage moves all of it). Casts of
+Limits. A storage moves whole (a small view of a large storage moves all of it). PyTorch checks
+a saved tensor's version only without hooks, so a saved tensor modified in place after it was
+saved (an error without hooks) goes unnoticed here, and its copy may see either value. Casts of
 frozen parameters under autocast look like activations and may move (autocast's cache keeps them
 on the device anyway). A second backward over the same graph (retain_graph) brings the tensors
 back again, without lookahead, and needs retain_graph=True here too. Thread safety: one forward pass at a time per object; the pool
