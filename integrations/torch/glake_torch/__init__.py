@@ -93,6 +93,7 @@ __all__ = [
     "shared_weights_layout",
     "share_weights",
     "Scheduler",
+    "offload_activations",
 ]
 
 # PyTorch's _record_memory_history keeps every entry by default (max_entries=sys.maxsize); glake's
@@ -1305,6 +1306,9 @@ class Scheduler:
             self.close()
         except Exception:
             pass
+
+# Saved activations to host memory and back (glake_torch/_activations.py; torch is imported on first use).
+from ._activations import offload_activations  # noqa: E402
 
 # CuPy, Numba and RMM allocating through glake (glake_torch/cupy.py, numba.py, rmm.py; none needs torch).
 from ._arrays import *  # noqa: E402,F401,F403
