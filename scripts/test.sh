@@ -11,7 +11,9 @@
 #   3. fuzz: each fuzz target for FUZZ_SECONDS (default 30) from its committed corpus, after its
 #      committed reproducers (fuzz/run.sh, build/fuzz, Clang).
 # Runs every stage even if an earlier one fails; exits non-zero if any does, after a summary line.
-# Warnings are errors here (-DGLAKE_WERROR=ON), though the option is off by default.
+# Warnings are errors here (-DGLAKE_WERROR=ON), though the option is off by default. The test
+# files are compiled as a few combined translation units (GLAKE_TEST_GROUPS; one per file is the
+# default of a build configured by hand, which rebuilds less after a change).
 #
 #   scripts/test.sh --quick   one plain Debug build (build/debug) and its tests: no sanitizers,
 #                             no RMM, no fuzzing. The loop while changing code.
@@ -53,7 +55,7 @@ configure_and_build() {
   local gen=()
   [[ -f $dir/CMakeCache.txt ]] || gen=("${generator[@]}")
   cmake -S . -B "$dir" "${gen[@]}" -DGLAKE_BUILD_TESTS=ON -DGLAKE_BUILD_EXAMPLES=ON \
-    -DGLAKE_BUILD_BENCHMARKS=ON -DGLAKE_BUILD_TOOLS=ON -DGLAKE_WERROR=ON "$@" &&
+    -DGLAKE_BUILD_BENCHMARKS=ON -DGLAKE_BUILD_TOOLS=ON -DGLAKE_WERROR=ON -DGLAKE_TEST_GROUPS=6 "$@" &&
     cmake --build "$dir" -j2
 }
 
@@ -186,7 +188,7 @@ export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
 tsan_gen=()
 [[ -f build/tsan/CMakeCache.txt ]] || tsan_gen=("${generator[@]}")
 if cmake -S . -B build/tsan "${tsan_gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-     -DGLAKE_SANITIZE=thread -DGLAKE_WERROR=ON -DGLAKE_BUILD_TESTS=ON -DGLAKE_BUILD_EXAMPLES=OFF \
+     -DGLAKE_SANITIZE=thread -DGLAKE_WERROR=ON -DGLAKE_BUILD_TESTS=ON -DGLAKE_TEST_GROUPS=3 -DGLAKE_BUILD_EXAMPLES=OFF \
      -DGLAKE_BUILD_BENCHMARKS=OFF -DGLAKE_BUILD_TOOLS=OFF -DGLAKE_BUILD_INTEGRATIONS=OFF \
      -DGLAKE_INSTALL=OFF &&
    cmake --build build/tsan -j2 --target glake_thread_tests &&
