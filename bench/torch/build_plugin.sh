@@ -51,8 +51,8 @@ fi
 # Where python3 imports torch, the plug-in is built against its headers and libc10 (its C++ ABI):
 # out of memory then reaches Python as torch.cuda.OutOfMemoryError. GLAKE_TORCH_C10=0 turns it off;
 # GLAKE_TORCH_DIR and GLAKE_TORCH_CXX11_ABI name torch's package directory and ABI instead of asking
-# python3 (integrations/torch/setup.py finds them past pip's build isolation). The rpath looks
-# beside the plug-in first: a wheel installed next to torch in site-packages finds its libc10.
+# python3. The rpath looks beside the plug-in first: a copy installed next to torch in
+# site-packages finds its libc10.
 # With torch, the native allocator (native_allocator.cpp: glake as torch's own CUDA allocator) is
 # built in as well, against libtorch_cuda and libc10_cuda; GLAKE_TORCH_NATIVE=0 leaves it out.
 c10=()

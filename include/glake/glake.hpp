@@ -22,6 +22,7 @@
 #include "glake/config.hpp"
 #include "glake/config_io.hpp"
 #include "glake/errors.hpp"
+#include "glake/memory_snapshot.hpp"
 #include "glake/movers/concepts.hpp"
 #include "glake/movers/copy_plan.hpp"
 #include "glake/movers/far_memory.hpp"

@@ -26,9 +26,11 @@
 #include <set>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "glake/adaptors/pluggable_allocator.hpp"
 #include "glake/allocators/stitching_allocator.hpp"
+#include "glake/memory_snapshot.hpp"
 #include "glake/policies/eviction.hpp"
 #include "glake/policies/locking.hpp"
 #include "glake/policies/stitching.hpp"
@@ -417,156 +419,31 @@ class timed_call {
 
 // ------------------------------------------------------------------ snapshots
 // PyTorch's snapshot (torch.cuda.memory._snapshot()) as JSON, which glake_torch turns into the
-// dict PyTorch's viewers read (torch/cuda/_memory_viz.py, MemoryViz.js): "segments" and
-// "device_traces" with the keys those read, and glake's own "stitched_ranges". Physical segments
-// are "large" segments; the small pool's blocks sit in place of the blocks it borrowed (marked
-// "pool": "small"). A live stitched allocation is a segment of its own, of segment_type
-// "stitched", holding one block; its memory is its pieces' blocks in their home segments, shown
-// there "inactive" with "stitched_into" (so each allocated byte is counted once, and the
-// history's segment_map / alloc at the stitched address land in a segment). Stacks are not
-// recorded: "frames" are empty.
-const char* torch_state(block_state s) noexcept {
-  switch (s) {
-    case block_state::allocated:
-      return "active_allocated";
-    case block_state::pending_free:
-      return "active_pending_free";
-    case block_state::free:
-      break;
-  }
-  return "inactive";
-}
-
-class snapshot_writer {
- public:
+// dict PyTorch's viewers read: glake/memory_snapshot.hpp writes it (its conventions are there),
+// over every device the plug-in serves, each pool of each device in turn.
+struct snapshot_visitor {
+  memory_snapshot_writer& w;
   // The visitor of plugin_type::visit_state.
-  void allocator(plugin_type::pool_id pool) {
-    close_segment();
-    close_range();
-    pool_ = pool;
-  }
-  void segment(const segment_view& s) {
-    close_segment();
-    segment_ = s;
-    in_segment_ = true;
-    blocks_.clear();
-    allocated_ = active_ = requested_ = 0;
-  }
-  void block(const block_view& b) {
-    const bool claimed = b.stitched_into != 0;
-    const block_state state = claimed ? block_state::free : b.state;
-    if (state == block_state::allocated) allocated_ += b.size;
-    if (state != block_state::free) {
-      active_ += b.size;
-      requested_ += b.requested;
-    }
-    blocks_ += blocks_.empty() ? "" : ",";
-    blocks_ += R"({"address":)" + std::to_string(b.address) + R"(,"size":)" + std::to_string(b.size) +
-               R"(,"requested_size":)" + std::to_string(state == block_state::free ? 0 : b.requested) +
-               R"(,"state":")" + torch_state(state) + R"(","frames":[])";
-    if (b.small_segment != 0) blocks_ += R"(,"pool":"small")";
-    if (claimed) blocks_ += R"(,"stitched_into":)" + std::to_string(b.stitched_into);
-    blocks_ += "}";
-  }
-  void stitched(const stitched_view& r) {
-    close_segment();
-    close_range();
-    range_ = r;
-    in_range_ = true;
-    pieces_.clear();
-  }
-  void piece(const stitched_piece_view& p) {
-    pieces_ += pieces_.empty() ? "" : ",";
-    pieces_ += R"({"address":)" + std::to_string(p.address) + R"(,"size":)" + std::to_string(p.size) + "}";
-  }
-
-  void device(int d) {
-    close_segment();
-    close_range();
-    device_ = d;
-  }
-  void finish() {
-    close_segment();
-    close_range();
-  }
-  const std::string& segments() const { return segments_; }
-  const std::string& ranges() const { return ranges_; }
-
- private:
-  std::string common(std::uintptr_t address, std::size_t size, stream_ref stream, const char* type, std::size_t allocated,
-                     std::size_t active, std::size_t requested) const {
-    return R"({"device":)" + std::to_string(device_) + R"(,"address":)" + std::to_string(address) +
-           R"(,"total_size":)" + std::to_string(size) + R"(,"allocated_size":)" + std::to_string(allocated) +
-           R"(,"active_size":)" + std::to_string(active) + R"(,"requested_size":)" + std::to_string(requested) +
-           R"(,"stream":)" + std::to_string(stream.id()) + R"(,"segment_type":")" + type +
-           R"(","segment_pool_id":[)" + std::to_string(pool_.first) + "," + std::to_string(pool_.second) +
-           R"(],"is_expandable":false,"frames":[])";
-  }
-  void add_segment(const std::string& text) {
-    segments_ += segments_.empty() ? "" : ",";
-    segments_ += text;
-  }
-  void close_segment() {
-    if (!in_segment_) return;
-    in_segment_ = false;
-    add_segment(common(segment_.address, segment_.size, segment_.stream, "large", allocated_, active_, requested_) +
-                R"(,"blocks":[)" + blocks_ + "]}");
-  }
-  void close_range() {
-    if (!in_range_) return;
-    in_range_ = false;
-    const stitched_view& r = range_;
-    ranges_ += ranges_.empty() ? "" : ",";
-    ranges_ += R"({"device":)" + std::to_string(device_) + R"(,"address":)" + std::to_string(r.address) +
-               R"(,"size":)" + std::to_string(r.size) + R"(,"live":)" + (r.live ? "true" : "false") +
-               R"(,"stream":)" + std::to_string(r.stream.id()) + R"(,"segment_pool_id":[)" +
-               std::to_string(pool_.first) + "," + std::to_string(pool_.second) + R"(],"pieces":[)" + pieces_ + "]}";
-    if (!r.live) return;
-    const bool allocated = r.state == block_state::allocated;
-    add_segment(common(r.address, r.claimed, r.stream, "stitched", allocated ? r.claimed : 0, r.claimed, r.requested) +
-                R"(,"blocks":[{"address":)" + std::to_string(r.address) + R"(,"size":)" + std::to_string(r.claimed) +
-                R"(,"requested_size":)" + std::to_string(r.requested) + R"(,"state":")" + torch_state(r.state) +
-                R"(","frames":[]}],"pieces":[)" + pieces_ + "]}");
-  }
-
-  std::string segments_, ranges_, blocks_, pieces_;
-  int device_ = 0;
-  plugin_type::pool_id pool_{};
-  segment_view segment_{};
-  stitched_view range_{};
-  bool in_segment_ = false, in_range_ = false;
-  std::size_t allocated_ = 0, active_ = 0, requested_ = 0;
+  void allocator(plugin_type::pool_id pool) { w.pool(pool.first, pool.second); }
+  void segment(const segment_view& s) { w.segment(s); }
+  void block(const block_view& b) { w.block(b); }
+  void stitched(const stitched_view& r) { w.stitched(r); }
+  void piece(const stitched_piece_view& p) { w.piece(p); }
 };
 
 std::string snapshot_json() {
   constexpr int max_devices = 64;
-  snapshot_writer w;
-  std::string traces;
-  int last_device = -1;
+  memory_snapshot_writer w;
+  snapshot_visitor v{w};
+  std::vector<std::vector<history_entry>> traces;
   for (int d = 0; d < max_devices; ++d) {
     if (plugin().find(d) == nullptr) continue;
     w.device(d);
-    plugin().visit_state(d, w);
-    w.device(d);  // closes what the device left open before the next one starts
-    last_device = d;
+    plugin().visit_state(d, v);
+    traces.resize(static_cast<std::size_t>(d) + 1);
   }
-  w.finish();
-  for (int d = 0; d <= last_device; ++d) {
-    traces += d == 0 ? "[" : ",[";
-    bool first = true;
-    for (const history_entry& e : plugin().history(d)) {
-      traces += first ? "" : ",";
-      first = false;
-      traces += R"({"action":")" + std::string(to_string(e.action)) + R"(","addr":)" + std::to_string(e.address) +
-                R"(,"size":)" + std::to_string(e.size) + R"(,"stream":)" + std::to_string(e.stream.id()) +
-                R"(,"time_us":)" + std::to_string(e.time_us) + R"(,"frames":[])";
-      if (e.action == memory_action::oom) traces += R"(,"device_free":0)";
-      traces += "}";
-    }
-    traces += "]";
-  }
-  return R"({"segments":[)" + w.segments() + R"(],"device_traces":[)" + traces + R"(],"stitched_ranges":[)" +
-        w.ranges() + "]}";
+  for (std::size_t d = 0; d < traces.size(); ++d) traces[d] = plugin().history(static_cast<int>(d));
+  return w.json(traces);
 }
 
 void copy_text(const std::string& text, char* buffer, std::size_t size) noexcept {

@@ -55,7 +55,7 @@ class replayable {
   virtual bool observe(replay_history*) { return false; }
   /// Shows the allocator's segments, blocks and stitched ranges to `w` where it can (a
   /// snapshotting_allocator); false where it cannot.
-  virtual bool visit_state(snapshot_state_writer&) const { return false; }
+  virtual bool visit_state(memory_snapshot_writer&) const { return false; }
 };
 
 template <allocator Allocator>
@@ -81,7 +81,7 @@ class replayable_allocator final : public replayable {
       return false;
     }
   }
-  bool visit_state(snapshot_state_writer& w) const override {
+  bool visit_state(memory_snapshot_writer& w) const override {
     if constexpr (snapshotting_allocator<Allocator>) {
       allocator_.visit_state(w);
       return true;

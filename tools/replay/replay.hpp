@@ -237,9 +237,9 @@ inline replay_result detail::replay_events(const trace& t, const configuration& 
   r.peak_allocated_bytes = s.peak_allocated_bytes;
   r.placement_digest = digest;
   if (snapshot != nullptr) {
-    snapshot_state_writer w;
+    memory_snapshot_writer w;
     snapshot->has_segments = allocator->visit_state(w);
-    snapshot->json = w.json(snapshot->history.entries());
+    snapshot->json = w.json({snapshot->history.entries()});
     allocator->observe(nullptr);
   }
   r.driver_calls = allocator->device().calls();

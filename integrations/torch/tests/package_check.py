@@ -11,8 +11,11 @@ command must stop before compiling, saying that torch is missing and how to buil
 the check then builds with GLAKE_TORCH_C10=0. Without the NVIDIA driver, stats() must raise
 glake_torch.DriverNotFoundError.
 
-Exit 77 (skipped) when the CUDA toolkit, the venv or the package index (for the isolated build
-environment) is not available; 1 when the build or a check fails."""
+pip's isolated build environment installs the build backend, scikit-build-core, from the package
+index; each run keeps a copy in a wheelhouse (WORK/wheelhouse, or $GLAKE_WHEELHOUSE), which pip
+uses instead (PIP_NO_INDEX=1, PIP_FIND_LINKS) when the index cannot be reached. Exit 77 (skipped)
+when the CUDA toolkit or the venv is not available, or scikit-build-core neither from the index nor
+from the wheelhouse; 1 when the build or a check fails."""
 
 import os
 import shutil
@@ -83,12 +86,22 @@ def main():
     env.pop("GLAKE_TORCH_C10", None)
     env.pop("GLAKE_TORCH_PYTHON", None)
     pip = [python, "-m", "pip"]
-    # pip's isolated build environment installs setuptools from the index (or PIP_FIND_LINKS with PIP_NO_INDEX=1).
-    probe = subprocess.run(pip + ["download", "-q", "--no-deps", "-d", os.path.join(work, "probe"), "setuptools>=77"],
+    # The build backend for pip's isolated build environment: from the index, where it answers
+    # (its wheels are kept in the wheelhouse), else from the wheelhouse alone.
+    wheelhouse = os.path.abspath(os.environ.get("GLAKE_WHEELHOUSE") or os.path.join(work, "wheelhouse"))
+    backend = "scikit-build-core>=1.1"
+    probe = subprocess.run(pip + ["download", "-q", "--timeout", "15", "--retries", "1", "-d", wheelhouse, backend],
                            env=env, capture_output=True, text=True, timeout=600)
     if probe.returncode != 0:
-        print("package check skipped: setuptools>=77 cannot be fetched for pip's isolated build (no package index?)")
-        return 77
+        kept = subprocess.run(pip + ["download", "-q", "--no-index", "--find-links", wheelhouse, "-d",
+                                     os.path.join(work, "probe"), backend], env=env, capture_output=True, text=True)
+        if kept.returncode != 0:
+            print(f"package check skipped: {backend} (pip's build backend) cannot be fetched from the package index "
+                  f"and is not in the wheelhouse {wheelhouse}: run once with the index reachable, or put its wheels "
+                  "and their dependencies there (pip download -d DIR scikit-build-core; GLAKE_WHEELHOUSE names DIR)")
+            return 77
+        print(f"the package index is not reachable: pip's isolated build takes {backend} from {wheelhouse}")
+        env.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=wheelhouse)
     torch = subprocess.run([python, "-I", "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True)
     torch_version = torch.stdout.strip() if torch.returncode == 0 else None
 

@@ -1,10 +1,12 @@
-"""Builds libglake_torch.so into the glake_torch package (pyproject.toml has the rest of the
-metadata). The library is not a Python extension module (glake_torch loads it with ctypes and
-hands it to PyTorch): bench/torch/build_plugin.sh, the repository's one recipe for it, compiles
-the sources listed in sources.txt, and the wheel is marked as platform-specific.
+"""The prerequisites of glake-torch's build, found before CMake runs: a dynamic-metadata provider
+for scikit-build-core (pyproject.toml's [[tool.dynamic-metadata]]) that fills in the package's
+dependencies and hands what it found to CMake (CMakeLists.txt, its part for pip).
 
-Before compiling, the prerequisites are found, printed (`pip install -v` shows them) and checked;
-a missing one stops the build with one line naming it and the variable that sets it:
+libglake_torch.so is not a Python extension module (glake_torch loads it with ctypes and hands
+it to PyTorch); it is compiled against the torch of the installing Python, and the package
+depends on that torch (same major.minor: libc10's C++ ABI). Each prerequisite is found, printed
+(`pip install -v` shows it) and checked; a missing one stops the build before anything is
+compiled, with one line naming it and the variable that sets it:
 
   torch           imported by the installing Python, run as `python -I` so that pip's build
                   isolation (a PYTHONPATH overlay) does not hide it; GLAKE_TORCH_PYTHON names
@@ -14,7 +16,8 @@ a missing one stops the build with one line naming it and the variable that sets
   C++ compiler    $CXX (default g++), C++20
   Boost headers   on the compiler's path, or $BOOST_INCLUDEDIR
 
-The wheel depends on the torch it was built against (same major.minor: libc10's C++ ABI)."""
+CMake receives them as environment variables: CUDA_HOME, CXX, GLAKE_TORCH_C10, and with torch
+GLAKE_TORCH_DIR (torch's package folder) and GLAKE_TORCH_CXX11_ABI."""
 
 import os
 import re
@@ -22,13 +25,8 @@ import shutil
 import subprocess
 import sys
 
-from setuptools import setup
-from setuptools.command.build_py import build_py
-from setuptools.dist import Distribution
-
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-RECIPE = os.path.join(ROOT, "bench", "torch", "build_plugin.sh")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 
 _TORCH_PROBE = """
 import os, torch
@@ -47,8 +45,8 @@ def _fail(text):
     raise SystemExit(f"glake-torch: {text}")
 
 
-def _find_torch():
-    """The torch to build against, as {version, dir, abi, cuda}, or None with GLAKE_TORCH_C10=0."""
+def find_torch():
+    """The torch to build against, as {version, dir, abi, cuda, python}, or None with GLAKE_TORCH_C10=0."""
     if os.environ.get("GLAKE_TORCH_C10", "1") == "0":
         return None
     python = os.environ.get("GLAKE_TORCH_PYTHON") or sys.executable
@@ -69,7 +67,7 @@ def _find_torch():
     return {"version": version, "dir": directory, "abi": abi, "cuda": cuda, "python": python}
 
 
-def _torch_requirement(torch):
+def torch_requirement(torch):
     """The torch whose libc10 the library links: same major.minor (its C++ ABI changes between them)."""
     if torch is None:
         return []
@@ -77,7 +75,7 @@ def _torch_requirement(torch):
     return [f"torch=={match.group(1)}.{match.group(2)}.*"] if match else ["torch"]
 
 
-def _cuda_toolkit():
+def cuda_toolkit():
     """$CUDA_HOME (default /usr/local/cuda) and its version from cuda.h; exits when cuda.h is missing."""
     home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
     header = os.path.join(home, "include", "cuda.h")
@@ -91,16 +89,16 @@ def _cuda_toolkit():
     return home, version
 
 
-def _compiler():
+def compiler():
     cxx = os.environ.get("CXX") or "g++"
     path = shutil.which(cxx)
     if path is None:
         _fail(f"the C++ compiler {cxx!r} was not found: install g++ (10 or later, for C++20), or set CXX")
     version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout.splitlines()
-    return cxx, version[0] if version else path
+    return path, version[0] if version else path
 
 
-def _check_boost(cxx):
+def check_boost(cxx):
     flags = []
     for directory in (os.path.join(ROOT, ".device-deps", "include"), os.environ.get("BOOST_INCLUDEDIR")):
         if directory and os.path.isdir(directory):
@@ -112,47 +110,51 @@ def _check_boost(cxx):
               "or set BOOST_INCLUDEDIR to the directory holding boost/")
 
 
-# pip runs this file anew for each hook (requirements, metadata, wheel): the prerequisites are
-# checked from the metadata hook on, so a missing one stops the build before anything is
-# compiled, and the wheel's metadata names the torch it is built against.
-BUILDING = not any(command in sys.argv for command in ("sdist", "egg_info", "clean", "--version", "--name"))
-CUDA_HOME, CUDA_VERSION = _cuda_toolkit() if BUILDING else (None, None)
-CXX, CXX_VERSION = _compiler() if BUILDING else (None, None)
-if BUILDING:
-    _check_boost(CXX)
-TORCH = _find_torch() if BUILDING else None
-
-
-class build_with_library(build_py):
-    def run(self):
-        super().run()
-        if not os.path.isfile(RECIPE):
-            _fail(f"{RECIPE} not found; install from a checkout of the glake repository "
-                  "(pip install <glake>/integrations/torch)")
-        _say(f"CUDA toolkit {CUDA_VERSION} at {CUDA_HOME}")
-        _say(f"compiler {CXX_VERSION}")
-        env = dict(os.environ, CUDA_HOME=CUDA_HOME, CXX=CXX, GLAKE_TORCH_C10="0")
-        if TORCH is None:
+def prerequisites(report):
+    """Finds and checks everything, exports it for CMake, and returns the torch found (or None)."""
+    if not os.path.isfile(os.path.join(ROOT, "include", "glake", "glake.hpp")):
+        _fail(f"glake's headers are not at {os.path.join(ROOT, 'include')}; install from a checkout of the "
+              "glake repository (pip install <glake>/integrations/torch)")
+    cuda_home, cuda_version = cuda_toolkit()
+    cxx, cxx_version = compiler()
+    check_boost(cxx)
+    torch = find_torch()
+    os.environ.update(CUDA_HOME=cuda_home, CXX=cxx, GLAKE_TORCH_C10="0" if torch is None else "1")
+    if torch is not None:
+        os.environ.update(GLAKE_TORCH_DIR=torch["dir"], GLAKE_TORCH_CXX11_ABI=torch["abi"])
+    if report:
+        _say(f"CUDA toolkit {cuda_version} at {cuda_home}")
+        _say(f"compiler {cxx_version}")
+        if torch is None:
             _say("torch: not used (GLAKE_TORCH_C10=0): out of memory raises RuntimeError")
         else:
-            _say(f"torch {TORCH['version']} (CUDA {TORCH['cuda']}) at {TORCH['dir']}, from {TORCH['python']}")
-            env.update(GLAKE_TORCH_C10="1", GLAKE_TORCH_DIR=TORCH["dir"], GLAKE_TORCH_CXX11_ABI=TORCH["abi"])
-            if TORCH["cuda"] not in ("none", CUDA_VERSION):
-                _say(f"note: torch was built with CUDA {TORCH['cuda']}, the toolkit here is {CUDA_VERSION}; "
+            _say(f"torch {torch['version']} (CUDA {torch['cuda']}) at {torch['dir']}, from {torch['python']}")
+            if torch["cuda"] not in ("none", cuda_version):
+                _say(f"note: torch was built with CUDA {torch['cuda']}, the toolkit here is {cuda_version}; "
                      "the plug-in only uses the driver API, which the driver serves for both")
-        out = os.path.join(os.path.abspath(self.build_lib), "glake_torch", "libglake_torch.so")
         _say("compiling libglake_torch.so (a few minutes on two cores) ...")
-        if subprocess.run(["bash", RECIPE, out], env=env).returncode != 0:
-            _fail("compiling libglake_torch.so failed (bench/torch/build_plugin.sh; its output is above)")
+    return torch
 
 
-class platform_distribution(Distribution):
-    def has_ext_modules(self):
-        return True
+# The dynamic-metadata protocol (scikit-build-core 1.x): build_state is told first, then
+# dynamic_metadata returns the fields this provider fills in. The prerequisites are checked from
+# the metadata hook on (pip calls it first), so a missing one stops pip before anything is
+# compiled; they are printed when the wheel itself is built. An SDist checks nothing.
+_state = "wheel"
 
 
-setup(
-    cmdclass={"build_py": build_with_library},
-    distclass=platform_distribution,
-    install_requires=_torch_requirement(TORCH),
-)
+def build_state(state):
+    global _state
+    _state = state
+
+
+def dynamic_metadata(settings, project):
+    if _state == "sdist":
+        return {"dependencies": []}
+    torch = prerequisites(report=_state in ("wheel", "editable"))
+    return {"dependencies": torch_requirement(torch)}
+
+
+def dynamic_wheel(settings):
+    """The dependencies are the wheel's: they name the torch it is built against."""
+    return {"dependencies": True}
