@@ -273,12 +273,9 @@ class stitching_allocator {
     return released;
   }
 
-  /// As release_cached(bytes), but never waits for the device: spare handles (no work uses
-  /// them) and only fully free segments whose last free's work is known complete (the streams'
-  /// events, polled) go back; the others stay.
-  /// For a caller on a hot path that can take fresh memory instead (a prefetch during backward).
-  /// With one stream, frees are not followed by events (nothing else needs them); the first call
-  /// turns that on, so from then on frees become releasable once their work completed.
+  /// As release_cached(bytes), never waiting for the device: spares and fully free segments whose
+  /// last free's work is known complete go (a hot path's caller: a prefetch during backward).
+  /// With one stream, frees get events from the first call on, to become releasable.
   std::size_t release_completed(std::size_t bytes) {
     std::lock_guard guard(lock_);
     track_completion_ = true;
@@ -306,12 +303,16 @@ class stitching_allocator {
     return stats_locked();
   }
 
-  /// While `retain` holds, no memory goes back to the backend and no mapping is removed or
-  /// changed: fully free segments and cached stitched ranges stay, cached ranges are reused as
-  /// they are but not repaired; growth and reuse of its own free memory go on. Every address
-  /// handed out keeps its physical memory, which a CUDA graph captured over this allocator's
-  /// memory needs (its replays use the addresses captured, freed since or not). A request that
-  /// only releasing would serve fails instead.
+  /// Spare handles are kept up to `bytes` from now on (config::move_spares); those above go now.
+  void keep_move_spares(std::size_t bytes) {
+    std::lock_guard guard(lock_);
+    pool_.backend().keep_spares(bytes, &counters_);
+    config_.move_spares = bytes;
+  }
+
+  /// While `retain` holds, no memory goes back and no mapping changes: free segments and cached
+  /// ranges stay (reused as they are, not repaired); growth goes on. Every address keeps its
+  /// memory, as a CUDA graph captured over it needs. A request only releasing would serve fails.
   void retain_memory(bool retain) {
     std::lock_guard guard(lock_);
     if (retain) mover_.complete_ready(true);  // no remap may come later

@@ -4,7 +4,6 @@
 // them.
 #pragma once
 
-#include <chrono>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -20,6 +19,7 @@
 #include "glake/backends/concepts.hpp"
 #include "glake/detail/accounting.hpp"
 #include "glake/detail/archetypes.hpp"
+#include "glake/detail/driver_meter.hpp"
 #include "glake/detail/vmm_backend.hpp"
 #include "glake/errors.hpp"
 #include "glake/movers/concepts.hpp"
@@ -618,8 +618,7 @@ class allocation_mover {
   }
 
   // Remaps a pending move's addresses once its copies are done (waiting for them first with
-  // `wait`) and records where the allocation now is. A remap that fails (out of mapping
-  // resources, a driver error) leaves everything where it was.
+  // `wait`) and records where the allocation now is; a failed remap leaves everything as it was.
   void complete_pending(typename pending_map::iterator it, bool wait) noexcept {
     auto& events = host_.events();
     if (wait) events.wait(it->second.copied);
@@ -729,32 +728,11 @@ class allocation_mover {
     }
   }
 
-  // Counts the backend calls, handles and host time of the work in its scope as moves out
-  // (`to_far`) or back.
-  class move_meter {
-   public:
+  // Counts the work in its scope as moves out (`to_far`) or back (detail::move_cost_meter).
+  struct move_meter : detail::move_cost_meter<backend_type, handle_exchange<handle_type>> {
     move_meter(allocation_mover& m, bool to_far) noexcept
-        : m_(m), costs_(to_far ? m.host_.counters().s.offloads : m.host_.counters().s.prefetches),
-          calls_(m.host_.backend().calls().total()), made_(m.host_.backend().calls()[driver_call::create]),
-          recycled_(m.host_.backend().recycled_handles()), handed_(m.exchange_.handed()) {}
-    move_meter(const move_meter&) = delete;
-    move_meter& operator=(const move_meter&) = delete;
-    ~move_meter() {
-      auto& backend = m_.host_.backend();
-      const std::uint64_t handed = m_.exchange_.handed() - handed_;
-      costs_.driver_calls += backend.calls().total() - calls_;
-      costs_.handles_made += backend.calls()[driver_call::create] - made_;
-      costs_.handles_reused += backend.recycled_handles() - recycled_ + handed;
-      costs_.handed_over += handed;
-      costs_.host_ns += static_cast<std::uint64_t>(
-          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_).count());
-    }
-
-   private:
-    allocation_mover& m_;
-    move_costs& costs_;
-    std::uint64_t calls_, made_, recycled_, handed_;
-    std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+        : move_meter::move_cost_meter(m.host_.backend(), to_far ? m.host_.counters().s.offloads
+                                                                : m.host_.counters().s.prefetches, m.exchange_) {}
   };
 
   // Undoes a pending move, or completes one that work may be using already (ready_on).
