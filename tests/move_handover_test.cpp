@@ -7,6 +7,7 @@
 // handover leaving everything usable.
 #include <doctest/doctest.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -14,8 +15,10 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string_view>
 #include <vector>
 
+#include "glake/adaptors/pluggable_stats.hpp"
 #include "glake/allocators/stitching_allocator.hpp"
 #include "glake/backends/fault_injection.hpp"
 #include "glake/backends/sim.hpp"
@@ -100,6 +103,31 @@ TEST_CASE("handle_exchange: handles go to the sizes wanted, are taken by size, a
   CHECK(x.wanted() == 0);
   CHECK(x.bytes() == 0);
   CHECK(!x.wants(2));
+}
+
+TEST_CASE("move costs: the plug-in's flat statistics carry each move kind's costs under their names") {
+  statistics st;
+  st.offloads = move_costs{1, 2, 3, 4, 5, 6};
+  st.prefetches = move_costs{7, 8, 9, 10, 11, 12};
+  std::array<std::uint64_t, pluggable_stat_names.size()> v{};
+  const std::size_t written = detail::write_statistics(st, v.data());
+  CHECK(written == pluggable_stat_names.size() - 3);  // the adaptor's own three follow
+  const auto value = [&](std::string_view name) {
+    for (std::size_t i = 0; i < written; ++i) {
+      if (pluggable_stat_names[i] == name) return v[i];
+    }
+    return ~std::uint64_t{0};
+  };
+  CHECK(value("offload_moves") == 1);
+  CHECK(value("offload_handed_over") == 5);
+  CHECK(value("offload_host_ns") == 6);
+  CHECK(value("prefetch_moves") == 7);
+  CHECK(value("prefetch_handles_made") == 9);
+  CHECK(value("prefetch_handed_over") == 11);
+  CHECK(value("prefetch_host_ns") == 12);
+  move_costs back;
+  detail::read_move_costs(back, v.data() + (written - 2 * detail::move_cost_values));
+  CHECK(back == st.offloads);
 }
 
 TEST_CASE("move handover: a prefetch displacing a pending offload takes its device handles and makes none") {
@@ -224,7 +252,8 @@ TEST_CASE("move handover: a scheduler with deferred moves keeps the device's own
     const statistics after = a.stats();
     CHECK(after.prefetches.moves > before.prefetches.moves);
     CHECK(after.prefetches.handed_over > before.prefetches.handed_over);
-    CHECK(after.prefetches.handles_made - before.prefetches.handles_made <
+    CHECK(after.prefetches.handles_made == before.prefetches.handles_made);  // every one handed over
+    CHECK(after.offloads.handed_over - before.offloads.handed_over ==
           after.prefetches.handed_over - before.prefetches.handed_over);
     w.settle();
     w.idle();
