@@ -163,6 +163,8 @@ def child(args):
                                    for k in driver1 if k.startswith("driver_") and k.endswith("_ns")}
             result["recycled_handles"] = driver1.get("recycled_handles", 0) - driver0.get("recycled_handles", 0)
             result["driver_creates"] = driver1.get("driver_create", 0) - driver0.get("driver_create", 0)
+            result["moves"] = {k: driver1[k] - driver0.get(k, 0) for k in driver1
+                               if k.startswith(("offload_", "prefetch_"))}
         if scheduler is not None:
             result["scheduler"] = scheduler.stats()
             result["far_copy_bytes"] = glake_torch.far_copy_bytes()
@@ -281,6 +283,9 @@ def shared_summary(runs, solo_median, rnd, solo_losses):
     steps = len(runs[0]["starts"])
     s["recycled_per_step"] = [round(x.get("recycled_handles", 0) / steps, 1) for x in runs]
     s["creates_per_step"] = [round(x.get("driver_creates", 0) / steps, 1) for x in runs]
+    # Per move kind: moves, driver calls, handles made / reused / handed over, host ms.
+    s["moves_per_step"] = [{k.replace("_host_ns", "_host_ms"): round(v / steps / (1e6 if k.endswith("_ns") else 1), 1)
+                            for k, v in x.get("moves", {}).items()} for x in runs]
     s["driver_ms_per_step"] = [{k: round(v / steps, 1) for k, v in x.get("driver_ms", {}).items() if v / steps >= 1}
                                for x in runs]
     return s

@@ -57,6 +57,23 @@ struct driver_call_times {
   }
 };
 
+/// What the moves of one kind (offloads, or prefetches) cost the host, counted by the mover
+/// around its own work: the backend calls it made for them, the device handles they created, the
+/// device handles they took without creating one, and the host time in all of it. A free that
+/// brings an offloaded allocation back is not a prefetch and is not counted.
+struct move_costs {
+  std::uint64_t moves = 0;          ///< moves that went through (a deferred one once completed)
+  std::uint64_t driver_calls = 0;   ///< device backend calls made for them (driver_call kinds)
+  std::uint64_t handles_made = 0;   ///< device handles created for them (driver_call::create)
+  std::uint64_t handles_reused = 0; ///< device handles they took without a create: spares, or
+                                    ///< handed over by a completing offload
+  std::uint64_t handed_over = 0;    ///< of those, handed over (prefetches); offloads: the
+                                    ///< device handles they handed to a prefetch, not released
+  std::uint64_t host_ns = 0;        ///< steady-clock time of the mover's work for them
+
+  friend bool operator==(const move_costs&, const move_costs&) = default;
+};
+
 /// A snapshot of an allocator's accounting. "Active" bytes are what callers asked for and still
 /// hold; "reserved" bytes are the physical memory the allocator holds from its backend, whether
 /// in use or cached. A stitched block's memory is counted once, through the physical memory it
@@ -100,6 +117,18 @@ struct statistics {
                                          ///< creating them (config::move_spares)
   driver_call_counts driver_calls{};
   driver_call_times driver_time{};
+  move_costs offloads{};                 ///< moves to far memory (offload)
+  move_costs prefetches{};               ///< moves back to the device (prefetch)
 };
+
+/// Adds the counts of `from` to `into` (several allocators' moves).
+inline void accumulate_moves(move_costs& into, const move_costs& from) noexcept {
+  into.moves += from.moves;
+  into.driver_calls += from.driver_calls;
+  into.handles_made += from.handles_made;
+  into.handles_reused += from.handles_reused;
+  into.handed_over += from.handed_over;
+  into.host_ns += from.host_ns;
+}
 
 }  // namespace glake

@@ -1076,6 +1076,9 @@ statistics device_statistics(int device) {
   st.recycled_handles = v[i++];
   for (std::uint64_t& calls : st.driver_calls.counts) calls = v[i++];
   for (std::uint64_t& ns : st.driver_time.ns) ns = v[i++];
+  detail::read_move_costs(st.offloads, v.data() + i);
+  i += detail::move_cost_values;
+  detail::read_move_costs(st.prefetches, v.data() + i);
   return st;
 }
 

@@ -51,6 +51,8 @@ inline void accumulate_counts(statistics& into, const statistics& s) noexcept {
     into.driver_calls.counts[k] += s.driver_calls.counts[k];
     into.driver_time.ns[k] += s.driver_time.ns[k];
   }
+  accumulate_moves(into.offloads, s.offloads);
+  accumulate_moves(into.prefetches, s.prefetches);
 }
 /// Adds `s`'s values to `into`, peaks included: the sum of several allocators' peaks bounds
 /// their combined peak from above (it is exact when the peaks coincide).

@@ -195,6 +195,10 @@ class segregator {
       s.driver_calls.counts[k] = a.driver_calls.counts[k] + b.driver_calls.counts[k];
       s.driver_time.ns[k] = a.driver_time.ns[k] + b.driver_time.ns[k];
     }
+    s.offloads = a.offloads;
+    accumulate_moves(s.offloads, b.offloads);
+    s.prefetches = a.prefetches;
+    accumulate_moves(s.prefetches, b.prefetches);
     return s;
   }
 

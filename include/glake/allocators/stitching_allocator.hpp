@@ -219,9 +219,9 @@ class stitching_allocator {
     return released;
   }
 
-  /// As release_cached(bytes), but never waits for the device: only spares and fully free
-  /// segments whose last free's work is known complete go back (for a hot path that can take
-  /// fresh memory instead). The first call makes frees followed by events even on one stream.
+  /// As release_cached(bytes), never waiting for the device: spares and fully free segments whose
+  /// last free's work is known complete go (a hot path's caller: a prefetch during backward).
+  /// With one stream, frees get events from the first call on, to become releasable.
   std::size_t release_completed(std::size_t bytes) {
     std::lock_guard guard(lock_);
     track_completion_ = true;
@@ -229,10 +229,8 @@ class stitching_allocator {
     return spares >= bytes ? spares : spares + release_.release(bytes - spares, false);
   }
 
-  /// Physical memory is held up to `bytes` from now on (0: no limit; PyTorch's
-  /// set_per_process_memory_fraction). When more is held than the new limit, cached memory is
-  /// released at once; live allocations stay valid, and growth is refused until enough of them
-  /// is freed. settings().memory_limit follows.
+  /// Physical memory is held up to `bytes` from now on (0: no limit); above it, cached memory goes
+  /// at once, live allocations stay and growth is refused until enough is freed.
   void set_memory_limit(std::size_t bytes) {
     std::lock_guard guard(lock_);
     pool_.backend().set_memory_limit(bytes);
@@ -246,9 +244,16 @@ class stitching_allocator {
 
   statistics stats() const;
 
-  /// While `retain` holds, no memory goes back and no mapping is removed or changed (cached
-  /// ranges are reused as they are, not repaired): every address handed out keeps its memory, as
-  /// a CUDA graph captured over it needs. A request that only releasing would serve fails.
+  /// Spare handles are kept up to `bytes` from now on (config::move_spares); those above go now.
+  void keep_move_spares(std::size_t bytes) {
+    std::lock_guard guard(lock_);
+    pool_.backend().keep_spares(bytes, &counters_);
+    config_.move_spares = bytes;
+  }
+
+  /// While `retain` holds, no memory goes back and no mapping changes: free segments and cached
+  /// ranges stay (reused as they are, not repaired); growth goes on. Every address keeps its
+  /// memory, as a CUDA graph captured over it needs. A request only releasing would serve fails.
   void retain_memory(bool retain) {
     std::lock_guard guard(lock_);
     if (retain) mover_.complete_ready(true);  // no remap may come later
@@ -264,21 +269,17 @@ class stitching_allocator {
     pool_.set_observer(observer, context);
   }
 
-  /// Shows `v` every segment (address order) with its blocks, the small pool's blocks in place
-  /// of the blocks it borrowed, then every stitched range, live or cached, with its pieces.
-  /// A block that a live stitched range claims is shown allocated (or pending) with
-  /// `stitched_into` set and `requested` 0: the request is the range's. An allocation freed
-  /// while offloaded and parked (its memory waiting in far memory) is pending_free, requested 0. O(blocks + pieces +
-  /// p log p) for p record_stream'd frees waiting; allocates a little scratch when p > 0.
+  /// Shows `v` every segment (address order) with its blocks (the small pool's in place of those
+  /// it borrowed), then every stitched range with its pieces; a block a live range claims shows
+  /// `stitched_into` and `requested` 0; a parked freed allocation is pending_free. O(blocks +
+  /// pieces + p log p) for p record_stream'd frees waiting.
   template <state_visitor V>
   void visit_state(V& v) const;
 
   // ------------------------------------------------------------------ offload
-  /// Far memory for offload: `host` makes its handles (this allocator's handle type, which its
-  /// reserver maps) and `copier` moves the bytes; `away` says whether memory in far memory stays
-  /// mapped at its allocation's addresses (far_residence; by default as config::far_unmapped
-  /// says). config_error when this allocator's handles are not multiples of host's granularity;
-  /// usage_error while an allocation is in the far memory attached now.
+  /// Far memory for offload: `host` makes its handles and `copier` moves the bytes; `away` says
+  /// whether memory away stays mapped at its addresses (default: config::far_unmapped).
+  /// config_error for handles not multiples of host's granularity; usage_error while in use.
   template <physical_provider Host, byte_copier Copier>
     requires std::same_as<typename Host::handle_type, typename Provider::handle_type> &&
              address_reserver_for<Reserver, Host> && copier_fits_reserver<Copier, Reserver>

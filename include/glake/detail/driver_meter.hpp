@@ -46,4 +46,33 @@ class driver_meter {
   driver_call_times times_{};
 };
 
+/// Adds what the backend work in its scope costs to `costs` (move_costs): the backend's calls,
+/// the device handles it created, those it reused (spares the backend recycled, and handles the
+/// exchange handed over), and the steady-clock time. Backend: vmm_backend; Exchange: anything
+/// with handed() (handle_exchange).
+template <class Backend, class Exchange>
+class move_cost_meter {
+ public:
+  move_cost_meter(const Backend& backend, move_costs& costs, const Exchange& exchange) noexcept
+      : backend_(backend), costs_(costs), exchange_(exchange), calls_(backend.calls().total()),
+        made_(backend.calls()[driver_call::create]), recycled_(backend.recycled_handles()),
+        handed_(exchange.handed()) {}
+  move_cost_meter(const move_cost_meter&) = delete;
+  move_cost_meter& operator=(const move_cost_meter&) = delete;
+  ~move_cost_meter() {
+    const std::uint64_t handed = exchange_.handed() - handed_;
+    costs_.driver_calls += backend_.calls().total() - calls_;
+    costs_.handles_made += backend_.calls()[driver_call::create] - made_;
+    costs_.handles_reused += backend_.recycled_handles() - recycled_ + handed;
+    costs_.handed_over += handed;
+  }
+
+ private:
+  const Backend& backend_;
+  move_costs& costs_;
+  const Exchange& exchange_;
+  std::uint64_t calls_, made_, recycled_, handed_;
+  stopwatch watch_{costs_.host_ns};
+};
+
 }  // namespace glake::detail

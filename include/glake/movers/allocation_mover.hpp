@@ -19,10 +19,12 @@
 #include "glake/backends/concepts.hpp"
 #include "glake/detail/accounting.hpp"
 #include "glake/detail/archetypes.hpp"
+#include "glake/detail/driver_meter.hpp"
 #include "glake/detail/vmm_backend.hpp"
 #include "glake/errors.hpp"
 #include "glake/movers/concepts.hpp"
 #include "glake/movers/far_memory.hpp"
+#include "glake/movers/handle_exchange.hpp"
 #include "glake/movers/handle_mover.hpp"
 #include "glake/statistics.hpp"
 #include "glake/stream.hpp"
@@ -129,8 +131,18 @@ concept allocation_moving = requires(M& m, const M& cm, std::uintptr_t a, const 
 /// each move runs through detail::handle_move to the backend, and back into the allocator only
 /// through the Host (mover_host). docs/offload.md, "Who owns what", says where the line runs.
 ///
+/// Handover: a move back needs device handles; pending offloads (deferred, still holding theirs)
+/// whose handles have the sizes wanted complete first and hand them over through a
+/// handle_exchange, so neither releases nor creates one and the device never holds both. Those
+/// whose copies are done go first; the others only when the device has no room for the move
+/// back, waiting for their copies (a handle is handed over only after the copies out of it).
+///
+/// Costs: each move's backend calls, handles made and reused, and host time are counted by kind
+/// (statistics::offloads, statistics::prefetches; a free's move back is neither).
+///
 /// Complexity: O(log n) per lookup for n allocations in far memory or moving; a move costs
-/// O(its handles) driver calls. Thread safety: none; the allocator calls it under its lock.
+/// O(its handles) driver calls, and a move back O(pending moves) more to find handles to take
+/// over. Thread safety: none; the allocator calls it under its lock.
 /// Streams: copies are ordered on the stream given; a deferred move completes once the event
 /// recorded after its copies has (Host's events).
 template <mover_host Host, class Slot>
@@ -285,7 +297,8 @@ class allocation_mover {
           // Work may use the memory already (ready_on): the move completes, then this one runs.
           complete_pending(pit, true);
         }
-        complete_ready(false);
+        // Offloads whose copies are done wait for a move back: it takes their handles over.
+        complete_ready(false, to_far);
       }
     }
     return false;
@@ -310,6 +323,7 @@ class allocation_mover {
       // The entry in moved_ is made first, so that recording the finished move cannot fail.
       const auto entry = moved_.emplace(address, moved_allocation{}).first;
       try {
+        const move_meter meter(*this, true);
         if (move_sites(sites, true, true, copies, clean) == detail::move_outcome::out_of_memory) {
           throw_move_out_of_memory(where, p, bytes, to_far);
         }
@@ -319,16 +333,18 @@ class allocation_mover {
       }
       if (clean != nullptr) far_copy_used(*clean);
       host_.counters().on_move_out(bytes);
+      ++host_.counters().s.offloads.moves;
       entry->second = moved_allocation{std::move(sites), bytes, false};
       return;
     }
     std::vector<handle_type> kept;
-    detail::move_outcome r = move_sites(sites, false, true, copies, nullptr, keep ? &kept : nullptr);
-    if (r == detail::move_outcome::out_of_memory && host_.make_room(bytes)) {
-      r = move_sites(sites, false, true, copies, nullptr, keep ? &kept : nullptr);
-    }
+    const detail::move_outcome r = with_handover(sites, bytes, [&] {
+      const move_meter meter(*this, false);
+      return move_sites(sites, false, true, copies, nullptr, keep ? &kept : nullptr, &exchange_);
+    });
     if (r == detail::move_outcome::out_of_memory) throw_move_out_of_memory(where, p, bytes, to_far);
     host_.counters().on_move_in(bytes);
+    ++host_.counters().s.prefetches.moves;
     moved_.erase(address);
     keep_replaced(address, std::move(kept), bytes);
   }
@@ -385,12 +401,14 @@ class allocation_mover {
 
   // ---------------------------------------------------------------- deferred moves
   /// Completes the pending moves whose copies are done (all, waiting, with `wait`); how many.
-  std::size_t complete_ready([[maybe_unused]] bool wait) noexcept {
+  /// Without `offloads`, only moves back.
+  std::size_t complete_ready([[maybe_unused]] bool wait, [[maybe_unused]] bool offloads = true) noexcept {
     std::size_t completed = 0;
     if constexpr (has_events) {
       for (auto it = pending_.begin(); it != pending_.end();) {
         auto next = std::next(it);
-        if (wait || host_.events().done_or_not_yet(it->second.copied)) {
+        if ((offloads || !it->second.move->to_far()) &&
+            (wait || host_.events().done_or_not_yet(it->second.copied))) {
           complete_pending(it, wait);
           ++completed;
         }
@@ -515,7 +533,8 @@ class allocation_mover {
   // A move in one call; out to a marked allocation's clean far copy (`clean`), or back keeping
   // the far handles it replaces (in `kept`).
   detail::move_outcome move_sites(std::span<const site_type> sites, bool to_far, bool copy, stream_ref stream,
-                                  const far_copy* clean = nullptr, std::vector<handle_type>* kept = nullptr) {
+                                  const far_copy* clean = nullptr, std::vector<handle_type>* kept = nullptr,
+                                  handle_exchange<handle_type>* exchange = nullptr) {
     const auto wait_copies = [&] {
       if constexpr (has_events) {
         auto& events = host_.events();
@@ -527,7 +546,7 @@ class allocation_mover {
     return detail::move_handles(host_.backend(), *far_, sites, to_far, copy, stream, wait_copies, away_unmapped_,
                                 clean != nullptr ? std::span<const handle_type>(clean->handles)
                                                  : std::span<const handle_type>(),
-                                kept, &holes_);
+                                kept, &holes_, exchange);
   }
 
   // Queues the copies of a deferred move and records it; completes it at once when the copies
@@ -551,6 +570,7 @@ class allocation_mover {
                                               away_unmapped_);
       if (clean != nullptr) move->use_handles(clean->handles);
       if (keep) move->keep_replaced();
+      if (!to_far) move->take_from(&exchange_);
       move->note_holes(&holes_);
       // The event completion waits for: after the copies, or after the work on `stream`.
       const stream_ref done_on = clean != nullptr ? stream : copies;
@@ -567,10 +587,11 @@ class allocation_mover {
             events.recycle(used);
           }
         }
+        const move_meter meter(*this, to_far);
         return move->start(clean == nullptr, copies, wait_copies);
       };
-      detail::move_outcome r = start();
-      if (r == detail::move_outcome::out_of_memory && !to_far && host_.make_room(bytes)) r = start();
+      const detail::move_outcome r = to_far ? start() : with_handover(sites, bytes, start);
+      move->take_from(nullptr);
       if (r == detail::move_outcome::out_of_memory) throw_move_out_of_memory(where, p, bytes, to_far);
       const auto address = reinterpret_cast<std::uintptr_t>(p);
       typename pending_map::iterator it;
@@ -597,8 +618,7 @@ class allocation_mover {
   }
 
   // Remaps a pending move's addresses once its copies are done (waiting for them first with
-  // `wait`) and records where the allocation now is. A remap that fails (out of mapping
-  // resources, a driver error) leaves everything where it was.
+  // `wait`) and records where the allocation now is; a failed remap leaves everything as it was.
   void complete_pending(typename pending_map::iterator it, bool wait) noexcept {
     auto& events = host_.events();
     if (wait) events.wait(it->second.copied);
@@ -608,9 +628,13 @@ class allocation_mover {
     typename moved_map::node_type record = std::move(it->second.record);
     pending_.erase(it);
     detail::move_outcome r = detail::move_outcome::out_of_memory;
-    try {
-      r = move->finish();
-    } catch (...) {
+    const std::size_t wanted = exchange_.wanted();
+    {
+      const move_meter meter(*this, move->to_far());
+      try {
+        r = move->finish();
+      } catch (...) {
+      }
     }
     if (r != detail::move_outcome::moved) return;  // finish gave the new handles back
     const std::size_t bytes = move->bytes();
@@ -619,14 +643,97 @@ class allocation_mover {
         if (const auto c = clean_.find(address); c != clean_.end()) far_copy_used(c->second);
       }
       host_.counters().on_move_out(bytes);
+      host_.counters().s.offloads.handed_over += wanted - exchange_.wanted();
+      ++host_.counters().s.offloads.moves;
       record.mapped() = moved_allocation{move->take_sites(), bytes, false};
       moved_.insert(std::move(record));
     } else {
       host_.counters().on_move_in(bytes);
+      ++host_.counters().s.prefetches.moves;
       moved_.erase(address);
       keep_replaced(address, move->take_replaced(), bytes);
     }
   }
+
+  // A move back of `sites` (`bytes`), `start` making its device handles (from exchange_ first):
+  // pending offloads whose copies are done hand theirs over first; when the backend cannot add
+  // the rest (may_add), or start runs out of memory, those still copying are waited for and hand
+  // theirs over; then the cache makes room. The exchange is closed after, what it still holds
+  // released.
+  template <class Start>
+  detail::move_outcome with_handover(std::span<const site_type> sites, std::size_t bytes, Start&& start) {
+    struct closer {
+      allocation_mover* m;
+      ~closer() { m->close_exchange(); }
+    } const close{this};
+    open_exchange(sites);
+    take_over(false);
+    if (exchange_.wanted() != 0 && device_short(bytes - exchange_.bytes())) take_over(true);
+    detail::move_outcome r = start();
+    if (r == detail::move_outcome::out_of_memory && any_pending_out()) {
+      close_exchange();
+      open_exchange(sites);
+      take_over(true);
+      r = start();
+    }
+    if (r == detail::move_outcome::out_of_memory && host_.make_room(bytes)) r = start();
+    return r;
+  }
+  // The backend cannot add `bytes` more: its limit, or its capacity less what it holds.
+  bool device_short(std::size_t bytes) const noexcept {
+    const auto& backend = host_.backend();
+    const std::size_t held = backend.physical_bytes() - backend.spare_bytes();
+    return !backend.may_add(bytes) || held > backend.capacity() || bytes > backend.capacity() - held;
+  }
+  void open_exchange(std::span<const site_type> sites) noexcept {
+    if constexpr (has_events) {
+      if (pending_.empty()) return;
+      try {
+        for (const site_type& s : sites) exchange_.want(s.slot->size);
+      } catch (...) {
+        close_exchange();  // no handover: the move back creates its handles
+      }
+    }
+  }
+  void close_exchange() noexcept {
+    auto& backend = host_.backend();
+    exchange_.close([&](handle_type h, std::size_t n) { backend.release_handle(h, n); });
+  }
+  bool any_pending_out() const noexcept {
+    for (const auto& [address, m] : pending_) {
+      if (m.move->to_far()) return true;
+    }
+    return false;
+  }
+  // Pending offloads complete: those whose copies are done, handing over the device handles the
+  // exchange wants (the others released); with `wait`, those still copying too, waiting for
+  // their copies, while the exchange wants handles they hold.
+  void take_over([[maybe_unused]] bool wait) noexcept {
+    if constexpr (has_events) {
+      for (auto it = pending_.begin(); it != pending_.end() && !(wait && exchange_.wanted() == 0);) {
+        auto next = std::next(it);
+        move_type& move = *it->second.move;
+        if (!move.to_far()) {
+          it = next;
+          continue;
+        }
+        bool fits = false;
+        for (const site_type& s : move.sites()) fits = fits || exchange_.wants(s.slot->size);
+        if ((wait && fits) || (!wait && host_.events().done_or_not_yet(it->second.copied))) {
+          move.give_to(&exchange_);
+          complete_pending(it, wait);
+        }
+        it = next;
+      }
+    }
+  }
+
+  // Counts the work in its scope as moves out (`to_far`) or back (detail::move_cost_meter).
+  struct move_meter : detail::move_cost_meter<backend_type, handle_exchange<handle_type>> {
+    move_meter(allocation_mover& m, bool to_far) noexcept
+        : move_meter::move_cost_meter(m.host_.backend(), to_far ? m.host_.counters().s.offloads
+                                                                : m.host_.counters().s.prefetches, m.exchange_) {}
+  };
 
   // Undoes a pending move, or completes one that work may be using already (ready_on).
   void undo_pending(typename pending_map::iterator it) noexcept {
@@ -668,6 +775,7 @@ class allocation_mover {
   far_copy_map clean_;                       // allocations marked keep_far_copy, by address
   detail::mapping_holes<handle_type> holes_;  // addresses a failed remap left unmapped
   std::size_t clean_bytes_ = 0;              // far memory their clean copies hold
+  handle_exchange<handle_type> exchange_;    // open only during a move back (with_handover)
 };
 
 namespace detail {

@@ -14,6 +14,7 @@
 
 #include "glake/errors.hpp"
 #include "glake/movers/far_memory.hpp"
+#include "glake/movers/handle_exchange.hpp"
 #include "glake/stream.hpp"
 
 namespace glake::detail {
@@ -81,6 +82,11 @@ enum class move_outcome {
 /// Per site that is a copy, a create, a map, an access, an unmap and a release in all: no
 /// mapping of far memory and no access setting over it per move.
 ///
+/// Handed over (handle_exchange): a move out given an exchange (give_to) leaves the device
+/// handles its finish replaces there, where wanted, instead of releasing them; a move back given
+/// one (take_from) takes handles of its sites' sizes there before creating any. Finish comes
+/// only after the copies, so a handle handed over has no copy pending on it.
+///
 /// Clean far copies (either residence): keep_replaced() before finish of a move back keeps the
 /// far handles it replaces (take_replaced()) instead of releasing them; a move out given such
 /// handles (use_handles, before start) creates and copies nothing: start does nothing, and
@@ -114,6 +120,10 @@ class handle_move {
   }
   /// The far handles a finished move back replaced, in site order (keep_replaced).
   std::vector<handle_type> take_replaced() noexcept { return std::move(replaced_); }
+  /// Moving out: the device handles finish replaces go to `x` where it wants them.
+  void give_to(handle_exchange<handle_type>* x) noexcept { exchange_ = x; }
+  /// Moving back: start takes device handles from `x` before it creates any.
+  void take_from(handle_exchange<handle_type>* x) noexcept { exchange_ = x; }
   /// Whether it moves out to handles given by use_handles.
   bool uses_given_handles() const noexcept { return given_; }
   /// Where addresses left unmapped by a failed remap are recorded, and looked up (memory away
@@ -133,8 +143,7 @@ class handle_move {
     bool copies_queued = false;
     try {
       for (const handle_site<Slot>& s : sites_) {
-        std::optional<handle_type> h =
-            to_far_ ? far_->try_create(s.slot->size) : backend_->try_create_handle(s.slot->size);
+        std::optional<handle_type> h = to_far_ ? far_->try_create(s.slot->size) : take_or_create(s.slot->size);
         if (!h) {
           release_made();
           return move_outcome::out_of_memory;
@@ -320,6 +329,8 @@ class handle_move {
         replaced_.push_back(slot.handle);  // reserved by keep_replaced
       } else if (slot.far) {
         far_->release(slot.handle);
+      } else if (exchange_ != nullptr && exchange_->wants(slot.size)) {
+        exchange_->give(slot.handle, slot.size);  // still counted in the backend's bytes
       } else {
         backend_->release_handle(slot.handle, slot.size, true);  // counted reserved until the move out
       }
@@ -327,6 +338,13 @@ class handle_move {
       slot.far = to_far_;
     }
     made_.clear();
+  }
+
+  std::optional<handle_type> take_or_create(std::size_t bytes) {
+    if (exchange_ != nullptr) {
+      if (std::optional<handle_type> h = exchange_->take(bytes)) return h;
+    }
+    return backend_->try_create_handle(bytes);
   }
 
   // Unmapped away, coming back: the new handles mapped at every address of their sites; false
@@ -413,6 +431,7 @@ class handle_move {
   bool to_far_;
   bool unmapped_;
   mapping_holes<handle_type>* holes_ = nullptr;
+  handle_exchange<handle_type>* exchange_ = nullptr;  // give_to / take_from
   bool given_ = false;          // made_ holds handles given by use_handles
   bool keep_replaced_ = false;  // hand_over keeps the far handles it replaces in replaced_
   std::vector<handle_type> replaced_;
@@ -425,16 +444,19 @@ class handle_move {
 
 /// A move in one call: start, wait_copies(), finish (see handle_move). Out to `given` handles
 /// (non-empty: a clean far copy, use_handles) it copies nothing; back with `kept`, the far
-/// handles replaced are put there (keep_replaced).
+/// handles replaced are put there (keep_replaced), and with `exchange` it takes device handles
+/// there first (take_from).
 template <class Backend, class Slot, class WaitCopies>
 move_outcome move_handles(Backend& backend, far_memory<typename Backend::handle_type>& far,
                           std::span<const handle_site<Slot>> sites, bool to_far, bool copy, stream_ref stream,
                           WaitCopies&& wait_copies, bool away_unmapped = false,
                           std::span<const typename Backend::handle_type> given = {},
                           std::vector<typename Backend::handle_type>* kept = nullptr,
-                          mapping_holes<typename Backend::handle_type>* holes = nullptr) {
+                          mapping_holes<typename Backend::handle_type>* holes = nullptr,
+                          handle_exchange<typename Backend::handle_type>* exchange = nullptr) {
   handle_move<Backend, Slot> move(backend, far, sites, to_far, away_unmapped);
   move.note_holes(holes);
+  if (!to_far) move.take_from(exchange);
   if (!given.empty()) {
     move.use_handles(given);
     copy = false;

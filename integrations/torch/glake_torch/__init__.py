@@ -443,7 +443,9 @@ def stats(device=None):
     """glake's statistics of `device` (default: the current one) as a dict: the allocator's
     counters (active_bytes, peak_active_bytes = requested bytes; reserved_bytes, peak_reserved_bytes
     = physical bytes held; stitches, segments, driver calls by kind (driver_map, ...) and the host
-    nanoseconds spent in them (driver_map_ns, ...), failed_allocations = out of memory), lifetime
+    nanoseconds spent in them (driver_map_ns, ...), failed_allocations = out of memory), what
+    offloads and prefetches cost (offload_moves, offload_driver_calls, offload_handles_made,
+    offload_handles_reused, offload_handed_over, offload_host_ns; prefetch_* the same), lifetime
     peaks, "errors" (swallowed failures), plus "driver_calls" and "driver_ns" (all kinds) and
     "utilization" (peak active / peak reserved)."""
     lib = load()
