@@ -62,16 +62,36 @@ class driver_error : public std::runtime_error {
   int code_;
 };
 
-/// Misuse caught by a checked build: a pointer the allocator never returned, a double free, or a
-/// size at deallocation that differs from the size at allocation; an argument out of range; an
-/// operation that the component's state does not allow now (bad_state: a capture begun twice into
-/// one pool, a pool released that has no use). The allocator's state is unchanged when this is
-/// thrown.
+/// Misuse, and what the message says happened, by kind:
+///   foreign_pointer, double_free, size_mismatch: a pointer the allocator never returned, a
+///     double free, or a size at deallocation that differs from the size at allocation (checked
+///     builds catch these);
+///   bad_argument: an argument out of range or malformed, whatever the state (a size of 0 where
+///     one is needed, an alignment that is not a power of two);
+///   bad_state: the arguments are fine, but the component's state does not allow the operation
+///     now and may later (a capture begun twice into one pool, no far memory attached yet, an
+///     allocation already offloaded, a stream capturing a graph);
+///   unsupported: the backend or the composition cannot do this at all, whatever the state (a
+///     noexcept call asked to fail, copies on a stream of their own without stream joins, an
+///     optional capability an allocator_ref's allocator lacks).
+/// The allocator's state is unchanged when this is thrown.
 class usage_error : public std::logic_error {
  public:
-  enum class kind { foreign_pointer, double_free, size_mismatch, bad_argument, bad_state };
+  enum class kind { foreign_pointer, double_free, size_mismatch, bad_argument, bad_state, unsupported };
   usage_error(kind k, const std::string& message) : std::logic_error(message), kind_(k) {}
   kind which() const noexcept { return kind_; }
+  /// The kind's name ("bad_state"), for logs and for messages that cross a C boundary.
+  static constexpr const char* name(kind k) noexcept {
+    switch (k) {
+      case kind::foreign_pointer: return "foreign_pointer";
+      case kind::double_free: return "double_free";
+      case kind::size_mismatch: return "size_mismatch";
+      case kind::bad_argument: return "bad_argument";
+      case kind::bad_state: return "bad_state";
+      case kind::unsupported: return "unsupported";
+    }
+    return "unknown";
+  }
 
  private:
   kind kind_;

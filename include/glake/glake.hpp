@@ -5,10 +5,13 @@
 // only this one.
 #pragma once
 
+#include "glake/adaptors/locking_adaptor.hpp"
 #include "glake/adaptors/pluggable_allocator.hpp"
 #include "glake/adaptors/pmr_resource.hpp"
+#include "glake/allocators/allocator_ref.hpp"
 #include "glake/allocators/borrowed_segment_source.hpp"
 #include "glake/allocators/caching_allocator.hpp"
+#include "glake/allocators/capabilities.hpp"
 #include "glake/allocators/concepts.hpp"
 #include "glake/allocators/device_registry.hpp"
 #include "glake/allocators/segment_source.hpp"

@@ -158,7 +158,7 @@ class scheduled_workload_of final : public scheduled_workload {
 
   void manage(void* p, std::size_t bytes) override {
     const auto key = reinterpret_cast<std::uintptr_t>(p);
-    if (blocks_.contains(key)) throw usage_error(usage_error::kind::bad_argument, "the allocation is managed already");
+    if (blocks_.contains(key)) throw usage_error(usage_error::kind::bad_state, "the allocation is managed already");
     auto b = std::make_unique<block>(plugin_, p, bytes);
     const allocation_id id = scheduler_->manage(*b);
     try {

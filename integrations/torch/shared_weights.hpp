@@ -115,7 +115,7 @@ class shared_weights_registry {
     std::lock_guard lock(mutex_);
     region& r = find("glake_share", p);
     if (r.client != nullptr) {
-      throw usage_error(usage_error::kind::bad_argument, "glake_share: the region is published already");
+      throw usage_error(usage_error::kind::bad_state, "glake_share: the region is published already");
     }
     client_type& c = client_for(socket, r.device, start_broker);
     const publish_result got = c.publish(p, r.bytes);

@@ -208,7 +208,7 @@ class cuda_mr_resource {
                             " is not a power of two");
     }
     if (alignment > allocator_->alignment()) {
-      throw usage_error(usage_error::kind::bad_argument,
+      throw usage_error(usage_error::kind::unsupported,
                         "glake::cuda_mr_resource: alignment " + std::to_string(alignment) +
                             " exceeds the allocator's guaranteed " + std::to_string(allocator_->alignment()) +
                             " (stack rmm::mr::aligned_resource_adaptor on top for larger ones)");

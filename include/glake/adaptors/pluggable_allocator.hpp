@@ -579,7 +579,7 @@ class pluggable_allocator {
     registry_.for_each([&](int device, slot& s) {
       if (found) return;
       if (s.pools.holds(p)) {
-        throw usage_error(usage_error::kind::bad_argument,
+        throw usage_error(usage_error::kind::bad_state,
                           "glake: " + std::string(to_far ? "offload" : "prefetch") + " of " + detail::pointer_text(p) +
                               ": it is in a CUDA graph's private pool, whose mappings must not change");
       }

@@ -33,7 +33,7 @@ class pmr_resource final : public std::pmr::memory_resource {
  private:
   void* do_allocate(std::size_t bytes, std::size_t alignment) override {
     if (alignment > allocator_->alignment()) {
-      throw usage_error(usage_error::kind::bad_argument,
+      throw usage_error(usage_error::kind::unsupported,
                         "glake::pmr_resource: alignment " + std::to_string(alignment) +
                             " exceeds the allocator's guaranteed " +
                             std::to_string(allocator_->alignment()));

@@ -106,7 +106,7 @@ class thrust_allocator : public thrust::device_malloc_allocator<T> {
                             std::to_string(max_size()) + ")");
     }
     if (alignof(T) > allocator_->alignment()) {
-      throw usage_error(usage_error::kind::bad_argument,
+      throw usage_error(usage_error::kind::unsupported,
                         "glake::thrust_allocator: alignof(T) " + std::to_string(alignof(T)) +
                             " exceeds the allocator's guaranteed " + std::to_string(allocator_->alignment()));
     }

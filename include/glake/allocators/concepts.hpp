@@ -88,14 +88,18 @@ concept allocator = requires(A& a, const A& ca, void* p, std::size_t n, stream_r
 // stub that always fails; a wrapper has one only when it can forward it (segregator: when both
 // parts have it), so a capability is never dropped without a compile-time trace. Adaptors test
 // them with `if constexpr (stream_recording_allocator<A>)` and the like. `q` is a const void*.
+// capabilities.hpp names each one by a tag (capability::owning, ...), and its
+// forward_capabilities gives a wrapper all of them at once.
 //
 // Which model has which:
 //   caching_allocator         owning, cache_releasing, peak_resetting
-//   stitching_allocator       owning, cache_releasing, peak_resetting, stream_recording,
-//                             memory_limiting, snapshotting, observable, memory_retaining
-//   segregator<Small, Large>  each one that both parts have; stream_recording only when both
-//                             parts are also owning (record_stream names no size, so owns is
-//                             how it finds the part)
+//   stitching_allocator       every one
+//   segregator<Small, Large>  each one that both parts have, but memory_limiting never (a limit
+//                             of the sum is not a part's); those that name a pointer but no size
+//                             (record_stream, offload, ...) only when both parts are also owning
+//                             (owns is how it finds the part)
+//   locking_adaptor<A>        exactly A's
+//   allocator_ref<Caps...>    those named in Caps (capabilities() says what the allocator has)
 // ---------------------------------------------------------------------------------------------
 
 // owning_allocator

@@ -8,6 +8,7 @@
 #include <tuple>
 #include <utility>
 
+#include "glake/allocators/capabilities.hpp"
 #include "glake/allocators/concepts.hpp"
 #include "glake/detail/accounting.hpp"
 #include "glake/detail/archetypes.hpp"
@@ -23,11 +24,12 @@ namespace glake {
 /// (2 MiB segments) apart from large ones, and how GMLake puts its stitching pool beside
 /// PyTorch's small pool. Both parts are built in place (they are not movable).
 ///
-/// Optional capabilities (allocators/concepts.hpp) are forwarded when both parts have them:
-/// owns asks both; release_cached and reset_peaks go to both; record_stream goes to the part
-/// that owns the pointer, so it needs owns of both parts as well (it is given no size to route
-/// by). A capability that only one part has is not offered: the segregator could not honour it
-/// for the other part's pointers.
+/// Optional capabilities (allocators/concepts.hpp) are forwarded by forward_capabilities
+/// (capabilities.hpp) when both parts have them: owns asks both; release_cached and the other
+/// broadcasts go to both; record_stream, offload and the other calls that name a pointer but no
+/// size go to the part that owns it, so they need owns of both parts as well. reset_peaks is the
+/// segregator's own (its peaks are of the sum). A capability that only one part has is not
+/// offered: the segregator could not honour it for the other part's pointers.
 ///
 /// Complexity: one comparison over the parts' own (record_stream: the parts' owns). Thread
 /// safety: as the Lock policy, one lock around both parts (give the parts no_lock). Streams and
@@ -35,7 +37,9 @@ namespace glake {
 /// and peaks are the segregator's own, so a peak is the peak of the sum, not the sum of the
 /// peaks.
 template <allocator Small, allocator Large, lock_policy Lock = no_lock>
-class segregator {
+class segregator : public forward_capabilities<segregator<Small, Large, Lock>, Small, Large> {
+  friend class forward_capabilities<segregator, Small, Large>;
+
  public:
   using small_type = Small;
   using large_type = Large;
@@ -89,30 +93,6 @@ class segregator {
     track_reserved();
   }
 
-  /// Both parts give back what they cache.
-  void release_cached()
-    requires cache_releasing_allocator<Small> && cache_releasing_allocator<Large>
-  {
-    std::lock_guard guard(lock_);
-    small_.release_cached();
-    large_.release_cached();
-    track_reserved();
-  }
-
-  /// The allocation at `p` is also used by work on `stream`: told to the part that owns `p`.
-  /// Throws usage_error when neither does (the large part's, which has never seen it).
-  void record_stream(void* p, stream_ref stream)
-    requires stream_recording_allocator<Small> && stream_recording_allocator<Large> &&
-             owning_allocator<Small> && owning_allocator<Large>
-  {
-    std::lock_guard guard(lock_);
-    if (small_.owns(p)) {
-      small_.record_stream(p, stream);
-    } else {
-      large_.record_stream(p, stream);
-    }
-  }
-
   statistics stats() const {
     std::lock_guard guard(lock_);
     return stats_locked();
@@ -137,13 +117,6 @@ class segregator {
     large_.verify();
   }
 
-  bool owns(const void* p) const
-    requires owning_allocator<Small> && owning_allocator<Large>
-  {
-    std::lock_guard guard(lock_);
-    return small_.owns(p) || large_.owns(p);
-  }
-
   /// Physical bytes held now by both parts.
   std::size_t reserved_bytes() const {
     std::lock_guard guard(lock_);
@@ -166,6 +139,12 @@ class segregator {
   Large& large() noexcept { return large_; }
 
  private:
+  // What forward_capabilities needs: the parts, the lock, and the reserved bytes read again.
+  std::tuple<Small&, Large&> capability_parts() noexcept { return {small_, large_}; }
+  std::tuple<const Small&, const Large&> capability_parts() const noexcept { return {small_, large_}; }
+  std::lock_guard<Lock> capability_guard() const { return std::lock_guard<Lock>(lock_); }
+  void capabilities_changed() { track_reserved(); }
+
   statistics stats_locked() const {
     const statistics a = small_.stats(), b = large_.stats();
     statistics s = counters_.s;
@@ -238,5 +217,9 @@ static_assert(peak_resetting_allocator<segregator<detail::full_allocator_archety
 static_assert(stream_recording_allocator<segregator<detail::full_allocator_archetype, detail::full_allocator_archetype>>);
 static_assert(!owning_allocator<segregator<detail::full_allocator_archetype, detail::allocator_archetype>>);
 static_assert(!stream_recording_allocator<segregator<detail::allocator_archetype, detail::full_allocator_archetype>>);
+static_assert(capabilities_of_v<segregator<detail::full_allocator_archetype, detail::full_allocator_archetype>> ==
+              capabilities_of_v<detail::full_allocator_archetype>);
+static_assert(capabilities_of_v<segregator<detail::full_allocator_archetype, detail::allocator_archetype>> ==
+              capability_set{});
 
 }  // namespace glake

@@ -144,7 +144,7 @@ class fault_plan {
   }
   static void check_fallible(driver_call kind) {
     if (!fallible(kind)) {
-      throw usage_error(usage_error::kind::bad_argument,
+      throw usage_error(usage_error::kind::unsupported,
                         "glake::fault_plan: " + std::string(to_string(kind)) +
                             " is noexcept and cannot be failed");
     }

@@ -284,7 +284,7 @@ class allocation_mover {
       if (!pending_.empty()) {
         if (auto pit = pending_.find(reinterpret_cast<std::uintptr_t>(p)); pit != pending_.end()) {
           if (pit->second.move->to_far() == to_far) {
-            throw usage_error(usage_error::kind::bad_argument,
+            throw usage_error(usage_error::kind::bad_state,
                               where + detail::pointer_text(p) +
                                   (to_far ? " is offloaded already (its move is pending)"
                                           : " is not offloaded (it is coming back to the device)"));

@@ -483,7 +483,7 @@ class virtual_buffer {
   void require_all(std::size_t first, std::size_t last, residence wanted, const char* what) const {
     for (std::size_t i = first; i < last; ++i) {
       if (pieces_[i].where != wanted) {
-        throw usage_error(usage_error::kind::bad_argument,
+        throw usage_error(usage_error::kind::bad_state,
                           std::string("glake::virtual_buffer::") + what + ": " + describe_piece(i) + " is on " +
                               to_string(pieces_[i].where) + ", not on " + to_string(wanted) +
                               " (nothing was moved)");
@@ -691,7 +691,7 @@ class virtual_buffer {
         if (!reserver_.is_capturing(s)) continue;
         char id[32];
         std::snprintf(id, sizeof id, "%#llx", static_cast<unsigned long long>(s.id()));
-        throw usage_error(usage_error::kind::bad_argument,
+        throw usage_error(usage_error::kind::bad_state,
                           std::string("glake::virtual_buffer::") + what + ": stream " + id +
                               (k == 0 ? "" : " (given to record_stream)") +
                               " is capturing a graph; a move remaps memory at once and would record "

@@ -312,7 +312,7 @@ class coordinated_budget {
 
   void check_process() const {
     if (::getpid() != pid_) {
-      throw usage_error(usage_error::kind::bad_argument,
+      throw usage_error(usage_error::kind::bad_state,
                         "glake::coordinated_budget: used in a child process after fork; make one in the child");
     }
   }

@@ -156,7 +156,7 @@ class workload_scheduler final : public budget_member {
       const auto base = reinterpret_cast<std::uintptr_t>(memory.data());
       const auto it = by_address_.find(base);
       if (it != by_address_.end()) {
-        throw usage_error(usage_error::kind::bad_argument, "glake::workload_scheduler '" + name_ + "': memory at " +
+        throw usage_error(usage_error::kind::bad_state, "glake::workload_scheduler '" + name_ + "': memory at " +
                                                                address(memory.data()) + " is managed already (id " +
                                                                std::to_string(it->second) + ")");
       }

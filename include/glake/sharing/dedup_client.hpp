@@ -124,7 +124,7 @@ class dedup_client {
     check_range("publish", p, bytes);
     const auto start = reinterpret_cast<std::uintptr_t>(p);
     if (overlaps(start, bytes)) {
-      throw usage_error(usage_error::kind::bad_argument,
+      throw usage_error(usage_error::kind::bad_state,
                         "glake::dedup_client::publish: the range overlaps a range published already");
     }
     // The record first, with room for every piece: nothing below allocates for it, so a piece

@@ -120,7 +120,7 @@ class stitching_offload {
   template <class FarHost, class Copier>
   void attach(FarHost host, Copier copier, far_residence away) {
     if (mover_.busy() != 0) {
-      throw usage_error(usage_error::kind::bad_argument,
+      throw usage_error(usage_error::kind::bad_state,
                         std::string(name) + "::attach_far_memory: " + std::to_string(mover_.busy()) +
                             " allocation(s) are in (or moving to or from) the far memory attached now");
     }
@@ -147,7 +147,7 @@ class stitching_offload {
   void keep_far_copy(const void* p, bool keep) {
     const auto address = reinterpret_cast<std::uintptr_t>(p);
     const std::string where = std::string(name) + "::keep_far_copy: ";
-    if (!mover_.attached()) throw usage_error(usage_error::kind::bad_argument, where + "no far memory is attached (attach_far_memory)");
+    if (!mover_.attached()) throw usage_error(usage_error::kind::bad_state, where + "no far memory is attached (attach_far_memory)");
     const live_allocation a = find_live(address);
     if ((a.block == nullptr && a.range == nullptr) || mover_.parked(address)) {
       throw usage_error(usage_error::kind::foreign_pointer,
@@ -184,11 +184,11 @@ class stitching_offload {
     const auto address = reinterpret_cast<std::uintptr_t>(p);
     const std::string where = std::string(name) + "::" + what + ": ";
     if (!mover_.attached()) {
-      throw usage_error(usage_error::kind::bad_argument, where + "no far memory is attached (attach_far_memory)");
+      throw usage_error(usage_error::kind::bad_state, where + "no far memory is attached (attach_far_memory)");
     }
     if constexpr (has_events && !stream_joining_reserver<reserver_type>) {
       if (copies != stream) {
-        throw usage_error(usage_error::kind::bad_argument,
+        throw usage_error(usage_error::kind::unsupported,
                           where + "copies on a stream of their own need a reserver whose streams wait for events "
                                   "(stream_joining_reserver)");
       }
@@ -207,11 +207,11 @@ class stitching_offload {
                         where + pointer_text(p) + " is not a live allocation of this allocator");
     }
     if (to_far == away) {
-      throw usage_error(usage_error::kind::bad_argument,
+      throw usage_error(usage_error::kind::bad_state,
                         where + pointer_text(p) + (to_far ? " is offloaded already" : " is not offloaded"));
     }
     if (host_.retained()) {
-      throw usage_error(usage_error::kind::bad_argument,
+      throw usage_error(usage_error::kind::bad_state,
                         where + "memory is retained (retain_memory: a CUDA graph's private pool), so no mapping may "
                                 "change");
     }
@@ -236,7 +236,7 @@ class stitching_offload {
       for (std::size_t i = 0; i < homes.size(); ++i) {
         const std::size_t lo = sites[i].slot->offset;
         if (stitcher_.live_maps(homes[i], lo, lo + sites[i].slot->size, a.range)) {
-          throw usage_error(usage_error::kind::bad_argument,
+          throw usage_error(usage_error::kind::bad_state,
                             where + pointer_text(p) +
                                 ": its memory is also mapped by a live stitched allocation (past the part that one "
                                 "uses); it can move once that allocation is freed");
@@ -375,7 +375,7 @@ class stitching_offload {
     if constexpr (capture_aware_reserver<reserver_type>) {
       auto& reserver = pool_.backend().reserver();
       if (reserver.is_capturing(stream) || reserver.is_capturing(own)) {
-        throw usage_error(usage_error::kind::bad_argument,
+        throw usage_error(usage_error::kind::bad_state,
                           where + "a stream is capturing a graph: moving memory remaps it at once and would record "
                                   "its copies in the graph instead of running them; move before or after the capture");
       }
