@@ -298,11 +298,11 @@ class _Stored:
     """One storage saved for backward: kept on the device (`kept`, nothing moves) or away in `host`
     and, between its prefetch and the last unpack of this backward pass, back in `device`."""
 
-    __slots__ = ("position", "unit", "nbytes", "kept", "host", "offloaded", "device", "ready", "handles",
+    __slots__ = ("position", "nbytes", "kept", "host", "offloaded", "device", "ready", "handles",
                  "unpacked", "transport", "__weakref__")
 
-    def __init__(self, position, unit, nbytes, kept, transport):
-        self.position, self.unit, self.nbytes, self.kept = position, unit, nbytes, kept
+    def __init__(self, position, nbytes, kept, transport):
+        self.position, self.nbytes, self.kept = position, nbytes, kept
         self.host = self.offloaded = self.device = self.ready = None
         self.handles = self.unpacked = 0
         self.transport = transport
@@ -345,7 +345,6 @@ class _Forward:
 
     def __init__(self, owner):
         self.owner = owner
-        self.transport = owner._transport
         self.away = []  # offloaded records, in pack order
         self.cursor = None  # the highest record of `away` not yet prefetched by the walk down
         self.frontier = None
@@ -528,6 +527,7 @@ class offload_activations:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._installed = False  # the next `with` installs the block hooks again
 
     # -- forward -----------------------------------------------------------------------------------
 
@@ -635,7 +635,7 @@ class offload_activations:
             kept = unit not in self._plan
         else:  # the first pass: the blocks the policy names from their count, else everything
             kept = self._first is not None and self._block not in self._first
-        stored = _Stored(position, unit, nbytes, kept, self._transport)
+        stored = _Stored(position, nbytes, kept, self._transport)
         self._units[unit] += nbytes
         if self.blocks is None:
             self._units.append(0)  # without blocks, each record is a unit of its own

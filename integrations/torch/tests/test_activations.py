@@ -121,6 +121,16 @@ class HooksOnTheCpuTest(unittest.TestCase):
         self.assertEqual(stats["prefetched_bytes"], stats["offloaded_bytes"])
         self.assertEqual(stats["pinned_bytes"], first["pinned_bytes"])  # later passes reuse the pool
 
+    def test_closed_and_used_again_it_installs_its_block_hooks_again(self):
+        context = self.context(fraction=0.5)
+        for _ in range(2):
+            self.assert_same(_step(self.blocks, self.x, context))
+        units = context.stats()["units"]
+        context.close()
+        self.assert_same(_step(self.blocks, self.x, context))
+        # Without the hooks every saved tensor would fall into one unit.
+        self.assertEqual(context.stats()["units"], units)
+
     def test_a_pass_without_gradients_leaves_the_plan(self):
         context = self.context(fraction=0.5)
         for _ in range(2):
@@ -273,8 +283,7 @@ class HooksOnTheCpuTest(unittest.TestCase):
         transport = _activations._HostCopies(torch)
         model = glake_torch.offload_activations.wrap(model, fraction=0.5, min_bytes=64 << 10, _transport=transport)
         for _ in range(2):
-            self.assert_same(_step(self.blocks, self.x, contextlib.nullcontext()) if False else
-                             self._model_step(model))
+            self.assert_same(self._model_step(model))
         stats = model.glake_activations.stats()
         self.assertEqual(stats["forward_passes"], 2)
         self.assertEqual(stats["plan"], [0, 1, 2, 3, 4, 5])  # the loss is outside: 18 of 36 MiB
