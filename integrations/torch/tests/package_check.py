@@ -90,7 +90,9 @@ def main():
     # (its wheels are kept in the wheelhouse), else from the wheelhouse alone.
     wheelhouse = os.path.abspath(os.environ.get("GLAKE_WHEELHOUSE") or os.path.join(work, "wheelhouse"))
     backend = "scikit-build-core>=1.1"
-    probe = subprocess.run(pip + ["download", "-q", "--timeout", "15", "--retries", "1", "-d", wheelhouse, backend],
+    # ninja too: scikit-build-core asks for its wheel where the system has no ninja.
+    probe = subprocess.run(pip + ["download", "-q", "--timeout", "15", "--retries", "1", "-d", wheelhouse, backend,
+                                  "ninja"],
                            env=env, capture_output=True, text=True, timeout=600)
     if probe.returncode != 0:
         kept = subprocess.run(pip + ["download", "-q", "--no-index", "--find-links", wheelhouse, "-d",
@@ -98,7 +100,7 @@ def main():
         if kept.returncode != 0:
             print(f"package check skipped: {backend} (pip's build backend) cannot be fetched from the package index "
                   f"and is not in the wheelhouse {wheelhouse}: run once with the index reachable, or put its wheels "
-                  "and their dependencies there (pip download -d DIR scikit-build-core; GLAKE_WHEELHOUSE names DIR)")
+                  "and their dependencies there (pip download -d DIR scikit-build-core ninja; GLAKE_WHEELHOUSE names DIR)")
             return 77
         print(f"the package index is not reachable: pip's isolated build takes {backend} from {wheelhouse}")
         env.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=wheelhouse)
