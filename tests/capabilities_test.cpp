@@ -40,8 +40,8 @@ std::string names_of() {
 }  // namespace
 
 TEST_CASE("capabilities: each tag answers as its refinement concept, and the sets name what each model has") {
-  CHECK(has_capability<stitching, capability::offloading> == offloading_allocator<stitching>);
-  CHECK(has_capability<caching, capability::offloading> == offloading_allocator<caching>);
+  CHECK(has_capability<stitching, capability::offloading>);
+  CHECK_FALSE(has_capability<caching, capability::offloading>);
   CHECK(has_capability<caching, capability::owning>);
   CHECK_FALSE(has_capability<caching, capability::stream_recording>);
   CHECK(names_of<caching>() == "owning cache_releasing peak_resetting ");

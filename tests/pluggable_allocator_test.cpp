@@ -565,7 +565,7 @@ TEST_CASE("pluggable_allocator: the peak reserved is the highest general + pools
   CHECK(s.at("reserved_bytes") == general_now + pool_reserved);
   CHECK(s.at("peak_reserved_bytes") == general_peak);  // the sum of peaks would count the pool twice
   CHECK(s.at("lifetime_peak_reserved_bytes") == general_peak);
-  // The pool grows past the old peak while general memory is held: that sum is the peak.
+  // The general allocator grows past its old peak while the pool holds its memory: that sum is the peak.
   void* more = plugin.allocate(512 * MiB, 0, default_stream);
   const std::size_t together = plugin.find(0)->stats().reserved_bytes + pool_reserved;
   CHECK(stats_of(plugin, 0).at("peak_reserved_bytes") == together);
