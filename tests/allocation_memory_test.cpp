@@ -20,6 +20,7 @@
 #include "glake/scheduling/scheduler.hpp"
 #include "support/evented_reserver.hpp"
 #include "support/stamp.hpp"
+#include "support/step_clock.hpp"
 
 namespace {
 
@@ -37,11 +38,7 @@ using evented_alloc = stitching_allocator<sim_provider, testing::evented_reserve
 static_assert(deferring_tiered_memory<allocation_memory<evented_alloc>>);
 static_assert(deferring_tiered_memory<allocation_memory<sim_alloc>>);
 
-struct step_clock {
-  using time_point = std::chrono::time_point<std::chrono::steady_clock, std::chrono::nanoseconds>;
-  std::shared_ptr<std::atomic<std::int64_t>> ns = std::make_shared<std::atomic<std::int64_t>>(0);
-  time_point now() const { return time_point(std::chrono::nanoseconds(ns->load())); }
-};
+using testing::step_clock;
 static_assert(schedule_clock<step_clock>);
 
 }  // namespace

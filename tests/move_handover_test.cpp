@@ -28,6 +28,7 @@
 #include "glake/scheduling/lru_policy.hpp"
 #include "glake/scheduling/scheduler.hpp"
 #include "support/evented_reserver.hpp"
+#include "support/step_clock.hpp"
 
 namespace {
 
@@ -70,11 +71,7 @@ class faulty_evented_reserver : public testing::evented_reserver {
   fault_plan* plan_;
 };
 
-struct step_clock {
-  using time_point = std::chrono::time_point<std::chrono::steady_clock, std::chrono::nanoseconds>;
-  std::shared_ptr<std::atomic<std::int64_t>> ns = std::make_shared<std::atomic<std::int64_t>>(0);
-  time_point now() const { return time_point(std::chrono::nanoseconds(ns->load())); }
-};
+using testing::step_clock;
 
 }  // namespace
 
