@@ -73,7 +73,7 @@ class driver_error : public std::runtime_error {
 ///     allocation already offloaded, a stream capturing a graph);
 ///   unsupported: the backend or the composition cannot do this at all, whatever the state (a
 ///     noexcept call asked to fail, copies on a stream of their own without stream joins, an
-///     optional capability an allocator_ref's allocator lacks).
+///     alignment above what the allocator guarantees).
 /// The allocator's state is unchanged when this is thrown.
 class usage_error : public std::logic_error {
  public:

@@ -409,9 +409,15 @@ class graph_pools {
     std::size_t reserved = 0;  ///< its reserved bytes as last counted into reserved_
   };
 
-  // Brings reserved_ up to date with what `p` holds now. Under the lock.
+  // Brings reserved_ up to date with what `p` holds now (reserved_bytes: a counter, not a whole
+  // statistics; a read that throws leaves the last count). Under the lock.
   void recount(pool* p) noexcept {
-    const std::size_t now = p->allocator->stats().reserved_bytes;
+    std::size_t now = 0;
+    try {
+      now = p->allocator->reserved_bytes();
+    } catch (...) {
+      return;
+    }
     reserved_.fetch_add(now - p->reserved, std::memory_order_relaxed);  // modular: a decrease too
     p->reserved = now;
   }
@@ -445,7 +451,13 @@ class graph_pools {
   void retire(pool* p) noexcept {
     give_back(p, "releasing ");
     recount(p);
-    detail::accumulate_counts(retired_, p->allocator->stats());
+    // What the release left goes with the allocator below: no longer counted as held.
+    reserved_.fetch_sub(p->reserved, std::memory_order_relaxed);
+    try {
+      detail::accumulate_counts(retired_, p->allocator->stats());
+    } catch (...) {
+      // its counts are lost to add_stats; the pool goes all the same
+    }
     std::erase_if(pools_, [p](const auto& q) { return q.get() == p; });
     pool_count_.store(pools_.size(), std::memory_order_release);
   }

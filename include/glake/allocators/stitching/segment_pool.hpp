@@ -140,7 +140,7 @@ class segment_pool {
     arena_.reserve_nodes(1);
     growth_.plan_handles(bytes, handle_sizes_);
     const std::uintptr_t old_end = s->mapping.base + s->mapping.size;
-    const bool queued = arena_.find(s->mapping.base)->size == s->mapping.size && arena_.find(s->mapping.base)->free;
+    const bool queued = is_free_segment(s);
     if (!backend_.try_extend_segment(s->mapping, handle_sizes_)) return nullptr;
     if (queued) free_.erase(*s);
     block_type* b = arena_.extend_segment(s, old_end, bytes, stream);
