@@ -423,7 +423,6 @@ def run_training(args, result, device):
     # (read after the step's clock stops), so step times can be told apart by whether the
     # allocator went to the driver.
     step_calls, step_stitches, step_repairs, step_grows, step_waits, step_host_ms = [], [], [], [], [], []
-    step_joins = []
     step_events, step_event_ms = [], []  # events glake recorded, and its ms in event records and queries
     # Per driver call kind (create, map, set_access, ...): calls and host milliseconds in each step,
     # from the plug-in's driver_<kind> and driver_<kind>_ns statistics (kinds with no call left out).
@@ -524,7 +523,6 @@ def run_training(args, result, device):
                 step_repairs.append(now["stitch_repairs"] - last["stitch_repairs"])
                 step_grows.append(now.get("stitch_grows", 0) - last.get("stitch_grows", 0))
                 step_waits.append(now.get("device_waits", 0) - last.get("device_waits", 0))
-                step_joins.append(now.get("stream_joins", 0) - last.get("stream_joins", 0))
                 step_events.append(now.get("events_recorded", 0) - last.get("events_recorded", 0))
                 step_event_ms.append(round((now.get("event_ns", 0) - last.get("event_ns", 0)) / 1e6, 3))
                 for kind, (calls, ms) in driver_kind_deltas(now, last).items():
@@ -560,8 +558,7 @@ def run_training(args, result, device):
                       step_queued_s=queued_times, step_cpu_s=step_cpu, step_steal_jiffies=step_steal)
         if glake is not None:
             result.update(step_driver_calls=step_calls, step_stitches=step_stitches, step_stitch_repairs=step_repairs,
-                          step_stitch_grows=step_grows, step_device_waits=step_waits, step_stream_joins=step_joins,
-                          step_events_recorded=step_events,
+                          step_stitch_grows=step_grows, step_device_waits=step_waits, step_events_recorded=step_events,
                           step_event_ms=step_event_ms)
             if step_kind_ms:
                 called = [k for k in step_kind_calls if any(step_kind_calls[k])]
