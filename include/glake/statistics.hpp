@@ -109,9 +109,6 @@ struct statistics {
   std::uint64_t device_waits = 0;        ///< times the host waited for the device (a device
                                          ///< synchronize or an event wait) before reusing or
                                          ///< releasing memory
-  std::uint64_t stream_joins = 0;        ///< times a stream was made to wait on another's
-                                         ///< event on the device to take its pending free
-                                         ///< blocks (config::stream_join), the host not waiting
   std::uint64_t events_recorded = 0;     ///< events recorded on streams to learn when frees,
                                          ///< record_stream uses or cached ranges' work complete
   std::uint64_t event_queries = 0;       ///< those events asked whether they have completed

@@ -23,10 +23,6 @@ TEST_CASE("plug-in settings: the defaults are glake-replay's glake configuration
 
   env["GLAKE_ALLOC_CONF"] = "max_handle:0";  // 2 MiB handles only, as the library's default
   CHECK(torch_plugin::settings_from(getenv).max_handle == 0);
-  CHECK_FALSE(torch_plugin::settings_from(getenv).stream_join);  // off unless asked for
-  env["GLAKE_ALLOC_CONF"] = "stream_join:1";  // joins reach the plug-in's allocator settings
-  CHECK(torch_plugin::settings_from(getenv).stream_join);
-  CHECK(torch_plugin::settings_from(getenv).max_handle == 8 * MiB);  // the rest stay
   env["GLAKE_ALLOC_CONF"] = "max_handle:5000";  // and a bad value is still refused
   CHECK_THROWS_WITH_AS(torch_plugin::settings_from(getenv), doctest::Contains("max_handle"), config_error);
   env.erase("GLAKE_ALLOC_CONF");

@@ -43,9 +43,8 @@ inline void accumulate_counts(statistics& into, const statistics& s) noexcept {
                           {&into.stitch_cache_hits, s.stitch_cache_hits}, {&into.stitch_repairs, s.stitch_repairs},
                           {&into.stitch_grows, s.stitch_grows}, {&into.stitch_evictions, s.stitch_evictions},
                           {&into.cross_stream_bytes, s.cross_stream_bytes}, {&into.device_waits, s.device_waits},
-                          {&into.stream_joins, s.stream_joins}, {&into.events_recorded, s.events_recorded},
-                          {&into.event_queries, s.event_queries}, {&into.event_ns, s.event_ns},
-                          {&into.recycled_handles, s.recycled_handles}}) {
+                          {&into.events_recorded, s.events_recorded}, {&into.event_queries, s.event_queries},
+                          {&into.event_ns, s.event_ns}, {&into.recycled_handles, s.recycled_handles}}) {
     *to += from;
   }
   for (std::size_t k = 0; k < driver_call_kinds; ++k) {

@@ -166,7 +166,6 @@ class segregator : public forward_capabilities<segregator<Small, Large, Lock>, S
     s.stitch_evictions = a.stitch_evictions + b.stitch_evictions;
     s.cross_stream_bytes = a.cross_stream_bytes + b.cross_stream_bytes;
     s.device_waits = a.device_waits + b.device_waits;
-    s.stream_joins = a.stream_joins + b.stream_joins;
     s.events_recorded = a.events_recorded + b.events_recorded;
     s.event_queries = a.event_queries + b.event_queries;
     s.event_ns = a.event_ns + b.event_ns;

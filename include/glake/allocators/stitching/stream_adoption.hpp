@@ -13,12 +13,8 @@ namespace glake::detail {
 /// Moves free blocks between the streams of a block_arena, by the completion marks of a
 /// stream_clocks: the best fit for a request when one completed block will do; else (`gather`)
 /// the largest completed blocks until their whole handles cover it. It can also wait for just
-/// the streams whose pending frees would cover a request, or with `join` (config::stream_join,
-/// on backends whose streams wait for events) make the request's stream wait for them on the
-/// device instead (stream_clocks::join_wanted), and merge the free neighbours that moves leave on
-/// different streams. A block taken through a join is its new stream's, marked with that stream's
-/// next free mark: its next event, recorded after the join, covers the work it waited for, so no
-/// third stream takes it before that work is done.
+/// the streams whose pending frees would cover a request, and merge the free neighbours that
+/// moves leave on different streams.
 ///
 /// The callbacks keep it apart from the allocator's other bookkeeping: `whole(block)` gives the
 /// bytes of whole handles in a free block (what a stitch can use); `moved(block_bytes,
@@ -31,8 +27,7 @@ class stream_adoption {
  public:
   using block_type = typename Arena::block_type;
 
-  stream_adoption(std::size_t max_candidates, std::size_t max_probes, bool join = false)
-      : max_probes_(max_probes), join_(join) {
+  stream_adoption(std::size_t max_candidates, std::size_t max_probes) : max_probes_(max_probes) {
     adoptable_.reserve(max_candidates);
   }
 
@@ -40,24 +35,48 @@ class stream_adoption {
   /// neighbours of different streams).
   bool mixed() const noexcept { return mixed_; }
 
-  /// Moves other streams' completed free blocks (and those `stream` joined for this request,
-  /// wait_for_other_streams) to `stream`; true when anything moved. Ends the request's joins.
+  /// Moves other streams' completed free blocks to `stream`; true when anything moved.
   template <class Whole, class Moved>
   bool adopt(Arena& arena, Clocks& clocks, std::size_t size, stream_ref stream, bool gather, Whole&& whole,
              Moved&& moved) noexcept {
-    const bool any = adopt_usable(arena, clocks, size, stream, gather, whole, moved);
-    if constexpr (Clocks::can_join) {
-      if (join_) clocks.clear_joined();
+    if (clocks.size() < 2) return false;
+    block_type* best = nullptr;
+    for (auto& c : clocks) {
+      if (c.stream == stream) continue;
+      clocks.poll(c);
+      block_type* b = arena.best_fit_if(c.stream, size, max_probes_, [&](const block_type& x) {
+        return clocks.completed(x.stream, x.free_mark);
+      });
+      if (b != nullptr && (best == nullptr || b->size < best->size)) best = b;
     }
-    return any;
+    if (best != nullptr) {
+      move(arena, best, stream, moved);
+      return true;
+    }
+    if (!gather) return false;
+    adoptable_.clear();
+    for (auto& c : clocks) {
+      if (c.stream == stream) continue;
+      arena.for_each_free_largest_first(c.stream, [&](block_type& b) {
+        if (adoptable_.size() == adoptable_.capacity()) return false;  // never grows: noexcept
+        if (clocks.completed(b.stream, b.free_mark) && whole(b) > 0) adoptable_.push_back(&b);
+        return adoptable_.size() < adoptable_.capacity();
+      });
+    }
+    std::stable_sort(adoptable_.begin(), adoptable_.end(),
+                     [](const block_type* a, const block_type* b) { return a->size > b->size; });
+    std::size_t covered = 0;
+    for (block_type* b : adoptable_) {
+      if (covered >= size) break;
+      covered += whole(*b);
+      move(arena, b, stream, moved);
+    }
+    return covered > 0;
   }
 
   /// Waits when free blocks of other streams whose frees have not completed would serve `size`:
   /// one such block, or with `gather` their whole handles together; it waits for just those
-  /// streams' events (stream_clocks::wait_for_wanted). With `join`, unless `stream` may be
-  /// capturing a graph (then the device could not order it, and the host waits as before), it
-  /// joins those events instead, and waits only for marks it cannot join. True if it waited or
-  /// joined: the next adopt on `stream` may take those blocks.
+  /// streams' events (stream_clocks::wait_for_wanted). True if it waited.
   template <class Whole>
   bool wait_for_other_streams([[maybe_unused]] Arena& arena, Clocks& clocks, [[maybe_unused]] std::size_t size,
                               [[maybe_unused]] stream_ref stream, [[maybe_unused]] bool gather,
@@ -81,11 +100,6 @@ class stream_adoption {
         if (enough) break;
       }
       if (!enough) return false;
-      if constexpr (Clocks::can_join) {
-        // A reserver that cannot tell capture (no capture_aware_reserver) is taken at its word:
-        // its streams are never capturing.
-        if (join_ && !clocks.events().may_be_capturing(stream) && !clocks.join_wanted(stream)) return true;
-      }
       clocks.wait_for_wanted();
       return true;
     } else {
@@ -118,59 +132,17 @@ class stream_adoption {
   }
 
  private:
-  template <class Whole, class Moved>
-  bool adopt_usable(Arena& arena, Clocks& clocks, std::size_t size, stream_ref stream, bool gather, Whole& whole,
-                    Moved& moved) noexcept {
-    if (clocks.size() < 2) return false;
-    block_type* best = nullptr;
-    for (auto& c : clocks) {
-      if (c.stream == stream) continue;
-      clocks.poll(c);
-      block_type* b = arena.best_fit_if(c.stream, size, max_probes_, [&](const block_type& x) {
-        return clocks.usable(x.stream, x.free_mark, stream);
-      });
-      if (b != nullptr && (best == nullptr || b->size < best->size)) best = b;
-    }
-    if (best != nullptr) {
-      move(arena, clocks, best, stream, moved);
-      return true;
-    }
-    if (!gather) return false;
-    adoptable_.clear();
-    for (auto& c : clocks) {
-      if (c.stream == stream) continue;
-      arena.for_each_free_largest_first(c.stream, [&](block_type& b) {
-        if (adoptable_.size() == adoptable_.capacity()) return false;  // never grows: noexcept
-        if (clocks.usable(b.stream, b.free_mark, stream) && whole(b) > 0) adoptable_.push_back(&b);
-        return adoptable_.size() < adoptable_.capacity();
-      });
-    }
-    std::stable_sort(adoptable_.begin(), adoptable_.end(),
-                     [](const block_type* a, const block_type* b) { return a->size > b->size; });
-    std::size_t covered = 0;
-    for (block_type* b : adoptable_) {
-      if (covered >= size) break;
-      covered += whole(*b);
-      move(arena, clocks, b, stream, moved);
-    }
-    return covered > 0;
-  }
-
   template <class Moved>
-  void move(Arena& arena, Clocks& clocks, block_type* b, stream_ref stream, Moved& moved) noexcept {
+  void move(Arena& arena, block_type* b, stream_ref stream, Moved& moved) noexcept {
     const bool was_whole = b->size == b->segment->mapping.size;
     const std::size_t bytes = b->size;
-    const bool joined = clocks.only_joined(b->stream, b->free_mark, stream);
     block_type* merged = arena.restream(b, stream);
-    // Its work is ordered before `stream`'s by a join, not done: a free on `stream` from now on.
-    if (joined) merged->free_mark = std::max(merged->free_mark, clocks.mark_free(stream));
     moved(bytes, was_whole, merged);
     mixed_ = true;
   }
 
   std::vector<block_type*> adoptable_;
   std::size_t max_probes_;
-  bool join_;
   bool mixed_ = false;
 };
 
