@@ -421,7 +421,7 @@ class pluggable_allocator {
     each_device(device, "resetting peaks", [](slot& s) {
       statistics before = s.allocator->reset_peaks();
       const std::size_t general_peak = before.peak_reserved_bytes;
-      s.pools.for_each([&](pool_id, Allocator& pool) { detail::accumulate(before, pool.reset_peaks()); });
+      s.pools.for_each([&](pool_id, Allocator& pool) { accumulate(before, pool.reset_peaks(), peak_rule::summed); });
       slot::raise(s.lifetime_active, before.peak_active_bytes);
       slot::raise(s.lifetime_reserved, combined_peak(s, general_peak, before));
       s.combined_peak.store(s.allocator->reserved_bytes() + s.pools.reserved_bytes(), std::memory_order_relaxed);
