@@ -71,7 +71,9 @@ struct move_costs {
   std::uint64_t handles_reused = 0; ///< device handles they took without a create: spares, or
                                     ///< handed over by a completing offload
   std::uint64_t handed_over = 0;    ///< of those, handed over (prefetches); offloads: the
-                                    ///< device handles they handed to a prefetch, not released
+                                    ///< device handles they handed to a prefetch, not released.
+                                    ///< Both counted when that prefetch finished: handles a
+                                    ///< failed or undone one took went back to the backend
   std::uint64_t host_ns = 0;        ///< steady-clock time of the mover's work for them
 
   friend bool operator==(const move_costs&, const move_costs&) = default;
