@@ -319,9 +319,9 @@ class handle_move {
 
  private:
   static void* at(std::uintptr_t a) noexcept { return reinterpret_cast<void*>(a); }
-  // An exchange serves one direction: given for the other, it is not used.
+  // An exchange serves one direction: a call for the other changes nothing.
   void use_exchange(handle_exchange<handle_type>* x, bool giving) noexcept {
-    exchange_ = giving == to_far_ ? x : nullptr;
+    if (giving == to_far_) exchange_ = x;
   }
   bool hole(std::uintptr_t a) const noexcept { return holes_ != nullptr && !holes_->empty() && holes_->contains(a); }
   void filled(std::uintptr_t a) noexcept {
