@@ -39,7 +39,10 @@ using evented_alloc = stitching_allocator<sim_provider, testing::evented_reserve
 constexpr auto deferred = move_completion::deferred;
 const stream_ref own{std::uintptr_t{1}};
 
-std::uint64_t calls(const evented_alloc& a, driver_call kind) { return a.stats().driver_calls[kind]; }
+template <class Allocator>
+std::uint64_t calls(const Allocator& a, driver_call kind) {
+  return a.stats().driver_calls[kind];
+}
 
 struct setup {
   sim_device gpu;
@@ -89,6 +92,8 @@ TEST_CASE("handle_exchange: handles go to the sizes wanted, are taken by size, a
   CHECK(x.bytes() == 6);
   CHECK(x.take(8) == std::nullopt);  // no handle of 8 bytes
   CHECK(x.take(4) == std::optional<int>(7));
+  CHECK(x.handed() == 0);  // counted once the taker's move finished
+  x.served(1);
   CHECK(x.handed() == 1);
   CHECK(x.wanted() == 1);
   std::vector<int> released;
@@ -286,6 +291,7 @@ TEST_CASE("move handover: a failure at any driver call of a handover leaves ever
     a.offload(q, own, deferred);
     log.complete(own);  // its copies done: the prefetch of p takes q's handles
     const std::uint64_t injected = plan.faults_injected();
+    const statistics before = a.stats();
     plan.fail_nth_call(n);
     bool threw = false;
     try {
@@ -298,6 +304,18 @@ TEST_CASE("move handover: a failure at any driver call of a handover leaves ever
     const bool fired = plan.faults_injected() > injected;
     CHECK((fired || !threw));
     if (!fired) CHECK(a.stats().prefetches.handed_over == 4);
+    // Handed over are only the handles p's finished move kept: each of its 4 was handed over or
+    // made; handles taken by a start that failed, or by a move undone, went back to the backend.
+    const statistics after = a.stats();
+    const std::uint64_t handed = after.prefetches.handed_over - before.prefetches.handed_over;
+    const std::uint64_t made = after.prefetches.handles_made - before.prefetches.handles_made;
+    CHECK(after.offloads.handed_over - before.offloads.handed_over == handed);
+    CHECK(after.prefetches.handles_reused - before.prefetches.handles_reused == handed);
+    if (a.residence_of(p) == residence::device) {
+      CHECK(handed + made == 4);
+    } else {
+      CHECK(handed == 0);
+    }
     a.verify();
     CHECK(gpu.physical_bytes() == a.stats().reserved_bytes);  // nothing pending now
     // Whatever moved, everything can be brought back and freed.
@@ -319,4 +337,45 @@ TEST_CASE("move handover: a failure at any driver call of a handover leaves ever
     REQUIRE(n < 200);
   }
   CHECK(faults >= 4);  // the prefetch's reservation, maps and access setting (no create)
+}
+
+TEST_CASE("move handover: handles a prefetch took and gave back, when it ran out of memory, are not handed over") {
+  using faulty_alloc = stitching_allocator<fault_injecting_provider<sim_provider>, faulty_evented_reserver>;
+  fault_plan plan;
+  sim_device gpu(16 * M, 2 * M, 256 * M);
+  testing::event_log log;
+  faulty_alloc a(fault_injecting_provider<sim_provider>(sim_provider(gpu), plan),
+                 faulty_evented_reserver(gpu, log, plan));
+  a.attach_far_memory(sim_host_provider(gpu), sim_copier(gpu), far_residence::mapped);
+  void* p = a.allocate(8 * M, own);
+  a.offload(p, own);
+  a.release_cached();
+  void* q = a.allocate(8 * M, own);
+  a.offload(q, own, deferred);
+  log.complete(own);  // q completes when p's prefetch starts, giving it q's 4 handles
+  const statistics before = a.stats();
+  const std::uint64_t creates = calls(a, driver_call::create);
+  plan.fail_nth_call_of(driver_call::reserve, 1);  // p's copy range, after it took q's handles
+  try {
+    a.prefetch(p, own);
+  } catch (const out_of_memory&) {
+  }
+  plan.never_fail();
+  REQUIRE(plan.faults_injected() == 1);
+  CHECK(a.residence_of(q) == residence::host);
+  const statistics after = a.stats();
+  CHECK(after.prefetches.handed_over == before.prefetches.handed_over);
+  CHECK(after.prefetches.handles_reused == before.prefetches.handles_reused);
+  CHECK(after.offloads.handed_over == before.offloads.handed_over);
+  if (a.residence_of(p) == residence::device) {  // a second start made its own
+    CHECK(calls(a, driver_call::create) == creates + 4);
+    CHECK(after.prefetches.handles_made == before.prefetches.handles_made + 4);
+  }
+  a.verify();
+  if (a.residence_of(p) == residence::host) a.prefetch(p, own);
+  a.deallocate(p, 8 * M, own);
+  a.deallocate(q, 8 * M, own);
+  a.release_cached();
+  CHECK(gpu.physical_bytes() == 0);
+  CHECK(gpu.violations() == 0);
 }

@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -579,6 +580,71 @@ TEST_CASE("pluggable_allocator: the peak reserved is the highest general + pools
   plugin.deallocate(in_pool, 64 * MiB, 0, capture_stream);
   plugin.release_pool(0, graph_pool);
   plugin.deallocate(small, MiB, 0, default_stream);
+  CHECK(plugin.errors() == 0);
+}
+
+namespace {
+// A mutex that counts the locks taken, of all its instances together.
+std::atomic<std::uint64_t> locks_taken{0};
+struct counting_lock {
+  void lock() {
+    locks_taken.fetch_add(1, std::memory_order_relaxed);
+    mutex.lock();
+  }
+  void unlock() noexcept { mutex.unlock(); }
+  std::mutex mutex;
+};
+static_assert(lock_policy<counting_lock>);
+using counted_stitching =
+    stitching_allocator<sim_provider, sim_reserver, best_fit_tail_stitching, lru_eviction, counting_lock>;
+}  // namespace
+
+TEST_CASE("pluggable_allocator: while pools hold memory, a general allocation that adds none locks the allocator once") {
+  using plugin_type = pluggable_allocator<counted_stitching>;
+  sim_device gpu(16 * GiB);
+  plugin_type plugin([&](int) { return std::make_unique<counted_stitching>(sim_provider{gpu}, sim_reserver{gpu}); },
+                     options_for<plugin_type>(nullptr));
+  REQUIRE(plugin.begin_allocate_to_pool(0, graph_pool, only(capture_stream)));
+  void* in_pool = plugin.allocate(64 * MiB, 0, capture_stream);
+  plugin.end_allocate_to_pool(0, graph_pool);
+  const std::size_t pool_reserved = plugin.pools(0)->reserved_bytes();
+  REQUIRE(pool_reserved >= 64 * MiB);
+  // A general allocation that adds memory: the sum is sampled.
+  void* p = plugin.allocate(32 * MiB, 0, default_stream);
+  const std::size_t general = plugin.find(0)->reserved_bytes();
+  CHECK(stats_of(plugin, 0).at("peak_reserved_bytes") == general + pool_reserved);
+  plugin.deallocate(p, 32 * MiB, 0, default_stream);
+  // One from the cache: the allocator's own lock, and nothing more.
+  const std::uint64_t segments = plugin.find(0)->stats().segments_created;
+  const std::uint64_t before = locks_taken.load();
+  p = plugin.allocate(32 * MiB, 0, default_stream);
+  CHECK(locks_taken.load() - before == 1);
+  CHECK(plugin.find(0)->stats().segments_created == segments);
+  // Growing past it while the pool holds its memory: that sum is the peak.
+  void* q = plugin.allocate(256 * MiB, 0, default_stream);
+  const std::size_t together = plugin.find(0)->reserved_bytes() + pool_reserved;
+  CHECK(together > general + pool_reserved);
+  CHECK(stats_of(plugin, 0).at("peak_reserved_bytes") == together);
+  // With the history recording too (the same observer), and after it stops.
+  for (const bool history : {true, false}) {
+    REQUIRE(plugin.record_history(history, 64));
+    plugin.deallocate(q, 256 * MiB, 0, default_stream);
+    plugin.release_cached(0);
+    plugin.reset_peak(0);
+    q = plugin.allocate(512 * MiB, 0, default_stream);
+    const std::size_t peak = plugin.find(0)->reserved_bytes() + pool_reserved;
+    plugin.deallocate(q, 512 * MiB, 0, default_stream);
+    plugin.release_cached(0);
+    const auto s = stats_of(plugin, 0);
+    CHECK(s.at("reserved_bytes") < peak);
+    CHECK(s.at("peak_reserved_bytes") == peak);
+    if (history) CHECK(!plugin.history(0).empty());
+    q = plugin.allocate(256 * MiB, 0, default_stream);
+  }
+  plugin.deallocate(q, 256 * MiB, 0, default_stream);
+  plugin.deallocate(p, 32 * MiB, 0, default_stream);
+  plugin.deallocate(in_pool, 64 * MiB, 0, capture_stream);
+  plugin.release_pool(0, graph_pool);
   CHECK(plugin.errors() == 0);
 }
 

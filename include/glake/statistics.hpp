@@ -2,10 +2,13 @@
 // and the time spent in them.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <concepts>
 #include <string_view>
+#include <type_traits>
 
 namespace glake {
 
@@ -68,7 +71,9 @@ struct move_costs {
   std::uint64_t handles_reused = 0; ///< device handles they took without a create: spares, or
                                     ///< handed over by a completing offload
   std::uint64_t handed_over = 0;    ///< of those, handed over (prefetches); offloads: the
-                                    ///< device handles they handed to a prefetch, not released
+                                    ///< device handles they handed to a prefetch, not released.
+                                    ///< Both counted when that prefetch finished: handles a
+                                    ///< failed or undone one took went back to the backend
   std::uint64_t host_ns = 0;        ///< steady-clock time of the mover's work for them
 
   friend bool operator==(const move_costs&, const move_costs&) = default;
@@ -129,6 +134,97 @@ inline void accumulate_moves(move_costs& into, const move_costs& from) noexcept 
   into.handles_reused += from.handles_reused;
   into.handed_over += from.handed_over;
   into.host_ns += from.host_ns;
+}
+static_assert(sizeof(move_costs) == 6 * sizeof(std::uint64_t),
+              "a field of move_costs is missing from accumulate_moves");
+
+/// How a field of `statistics` combines when several allocators' statistics are summed.
+enum class statistic_kind : std::uint8_t {
+  count,  ///< events, bytes moved, time spent, since construction: they add
+  held,   ///< bytes held now (active, allocated, reserved, ...): they add
+  peak,   ///< the highest value a held field reached: not summable. The peak of a sum lies
+          ///< between the highest of the peaks and their sum; only who saw the sum over time knows
+          ///< it (segregator, pluggable_allocator)
+};
+
+/// Calls `f(kind, a.field, b.field)` for each field of the statistics `a` and `b` (either may be
+/// const), in declaration order. This is the one list of the fields that code combining
+/// statistics goes by: a new field joins it with its kind (the static_assert below fails until
+/// it does). driver_calls, driver_time, offloads and prefetches come whole, as counts.
+template <class A, class B, class F>
+  requires std::same_as<std::remove_const_t<A>, statistics> && std::same_as<std::remove_const_t<B>, statistics>
+constexpr void for_each_statistic(A& a, B& b, F&& f) {
+  using k = statistic_kind;
+  f(k::held, a.active_bytes, b.active_bytes);
+  f(k::peak, a.peak_active_bytes, b.peak_active_bytes);
+  f(k::held, a.allocated_bytes, b.allocated_bytes);
+  f(k::peak, a.peak_allocated_bytes, b.peak_allocated_bytes);
+  f(k::held, a.reserved_bytes, b.reserved_bytes);
+  f(k::peak, a.peak_reserved_bytes, b.peak_reserved_bytes);
+  f(k::held, a.cached_stitch_bytes, b.cached_stitch_bytes);
+  f(k::held, a.offloaded_bytes, b.offloaded_bytes);
+  f(k::held, a.spare_bytes, b.spare_bytes);
+  f(k::count, a.allocations, b.allocations);
+  f(k::count, a.deallocations, b.deallocations);
+  f(k::count, a.failed_allocations, b.failed_allocations);
+  f(k::count, a.splits, b.splits);
+  f(k::count, a.merges, b.merges);
+  f(k::count, a.segments_created, b.segments_created);
+  f(k::count, a.segments_released, b.segments_released);
+  f(k::count, a.stitches, b.stitches);
+  f(k::count, a.stitch_cache_hits, b.stitch_cache_hits);
+  f(k::count, a.stitch_repairs, b.stitch_repairs);
+  f(k::count, a.stitch_grows, b.stitch_grows);
+  f(k::count, a.stitch_evictions, b.stitch_evictions);
+  f(k::count, a.cross_stream_bytes, b.cross_stream_bytes);
+  f(k::count, a.device_waits, b.device_waits);
+  f(k::count, a.events_recorded, b.events_recorded);
+  f(k::count, a.event_queries, b.event_queries);
+  f(k::count, a.event_ns, b.event_ns);
+  f(k::count, a.recycled_handles, b.recycled_handles);
+  f(k::count, a.driver_calls, b.driver_calls);
+  f(k::count, a.driver_time, b.driver_time);
+  f(k::count, a.offloads, b.offloads);
+  f(k::count, a.prefetches, b.prefetches);
+}
+
+namespace detail {
+// The bytes of the fields for_each_statistic lists: all of statistics' bytes when none is missing
+// (every field is 8-byte words, so there is no padding to account for).
+constexpr std::size_t listed_statistics_bytes() {
+  statistics s{};
+  std::size_t bytes = 0;
+  for_each_statistic(s, s, [&](statistic_kind, const auto& field, const auto&) { bytes += sizeof field; });
+  return bytes;
+}
+}  // namespace detail
+static_assert(detail::listed_statistics_bytes() == sizeof(statistics),
+              "a field of glake::statistics is missing from for_each_statistic's list");
+
+/// What accumulate makes of the peaks.
+enum class peak_rule : std::uint8_t {
+  highest,  ///< the higher of the two: a lower bound of the peak of the sum
+  summed,   ///< their sum: an upper bound of the peak of the sum (exact when the peaks coincided)
+};
+
+/// Adds `from` to `into`, as one more allocator's statistics beside those summed in `into`:
+/// counts and held bytes add (driver calls and times by kind, move costs field by field); peaks
+/// follow `peaks`. A caller that knows the peak of the sum, or keeps some fields its own, sets
+/// them after.
+inline void accumulate(statistics& into, const statistics& from, peak_rule peaks = peak_rule::highest) noexcept {
+  for_each_statistic(into, from, [peaks](statistic_kind kind, auto& to, const auto& add) {
+    using field = std::remove_cvref_t<decltype(to)>;
+    if constexpr (std::is_same_v<field, move_costs>) {
+      accumulate_moves(to, add);
+    } else if constexpr (std::is_same_v<field, driver_call_counts>) {
+      for (std::size_t k = 0; k < driver_call_kinds; ++k) to.counts[k] += add.counts[k];
+    } else if constexpr (std::is_same_v<field, driver_call_times>) {
+      for (std::size_t k = 0; k < driver_call_kinds; ++k) to.ns[k] += add.ns[k];
+    } else {
+      static_assert(std::is_arithmetic_v<field>, "a field accumulate does not know how to add");
+      to = kind == statistic_kind::peak && peaks == peak_rule::highest ? std::max(to, add) : to + add;
+    }
+  });
 }
 
 }  // namespace glake

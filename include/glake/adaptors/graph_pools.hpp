@@ -34,39 +34,13 @@ namespace glake {
 using graph_pool_id = std::pair<std::uint64_t, std::uint64_t>;
 
 namespace detail {
-/// Adds only the counts (calls, events, driver calls and their time), which never go down.
-inline void accumulate_counts(statistics& into, const statistics& s) noexcept {
-  for (auto [to, from] : {std::pair{&into.allocations, s.allocations}, {&into.deallocations, s.deallocations},
-                          {&into.failed_allocations, s.failed_allocations}, {&into.splits, s.splits},
-                          {&into.merges, s.merges}, {&into.segments_created, s.segments_created},
-                          {&into.segments_released, s.segments_released}, {&into.stitches, s.stitches},
-                          {&into.stitch_cache_hits, s.stitch_cache_hits}, {&into.stitch_repairs, s.stitch_repairs},
-                          {&into.stitch_grows, s.stitch_grows}, {&into.stitch_evictions, s.stitch_evictions},
-                          {&into.cross_stream_bytes, s.cross_stream_bytes}, {&into.device_waits, s.device_waits},
-                          {&into.events_recorded, s.events_recorded}, {&into.event_queries, s.event_queries},
-                          {&into.event_ns, s.event_ns}, {&into.recycled_handles, s.recycled_handles}}) {
-    *to += from;
-  }
-  for (std::size_t k = 0; k < driver_call_kinds; ++k) {
-    into.driver_calls.counts[k] += s.driver_calls.counts[k];
-    into.driver_time.ns[k] += s.driver_time.ns[k];
-  }
-  accumulate_moves(into.offloads, s.offloads);
-  accumulate_moves(into.prefetches, s.prefetches);
-}
-/// Adds `s`'s values to `into`, peaks included: the sum of several allocators' peaks bounds
-/// their combined peak from above (it is exact when the peaks coincide).
-inline void accumulate(statistics& into, const statistics& s) noexcept {
-  into.active_bytes += s.active_bytes;
-  into.peak_active_bytes += s.peak_active_bytes;
-  into.allocated_bytes += s.allocated_bytes;
-  into.peak_allocated_bytes += s.peak_allocated_bytes;
-  into.reserved_bytes += s.reserved_bytes;
-  into.peak_reserved_bytes += s.peak_reserved_bytes;
-  into.cached_stitch_bytes += s.cached_stitch_bytes;
-  into.offloaded_bytes += s.offloaded_bytes;
-  into.spare_bytes += s.spare_bytes;
-  accumulate_counts(into, s);
+/// Only the counts of `s` (calls, events, driver calls and their time, which never go down): what
+/// stays of a pool that is gone, which holds no bytes.
+inline statistics counts_of(statistics s) noexcept {
+  for_each_statistic(s, s, [](statistic_kind kind, auto& field, const auto&) {
+    if (kind != statistic_kind::count) field = {};
+  });
+  return s;
 }
 
 inline std::string pool_text(graph_pool_id id) {
@@ -388,8 +362,8 @@ class graph_pools {
   void add_stats(statistics& into) const {
     if (!had_pools_.load(std::memory_order_acquire)) return;
     std::lock_guard guard(mutex_);
-    for (const auto& p : pools_) detail::accumulate(into, p->allocator->stats());
-    detail::accumulate_counts(into, retired_);
+    for (const auto& p : pools_) accumulate(into, p->allocator->stats(), peak_rule::summed);
+    accumulate(into, retired_, peak_rule::summed);  // counts only
   }
 
   /// Calls `f(id, allocator)` for each pool, in order of creation, under the lock.
@@ -454,7 +428,7 @@ class graph_pools {
     // What the release left goes with the allocator below: no longer counted as held.
     reserved_.fetch_sub(p->reserved, std::memory_order_relaxed);
     try {
-      detail::accumulate_counts(retired_, p->allocator->stats());
+      accumulate(retired_, detail::counts_of(p->allocator->stats()));
     } catch (...) {
       // its counts are lost to add_stats; the pool goes all the same
     }
@@ -479,7 +453,7 @@ class graph_pools {
   std::vector<std::unique_ptr<pool>> pools_;
   std::vector<capture> captures_;
   std::unordered_map<std::uintptr_t, pool*> owner_;  // the pools' live blocks
-  statistics retired_;                               // the counts of pools gone
+  statistics retired_;                               // the counts of pools gone (no bytes)
   std::atomic<std::size_t> pool_count_{0};
   std::atomic<std::size_t> capture_count_{0};
   std::atomic<bool> had_pools_{false};  // pools, or counts of pools gone, for add_stats

@@ -83,7 +83,13 @@ struct no_device_scope {
 /// once more. While a device has pools, each free and record_stream there takes one mutex and
 /// one hash lookup more; without pools, one atomic load. Statistics: sums over the general
 /// allocator and the pools (those given back too), but the peak reserved is the highest sum seen
-/// (combined_peak). The memory limit applies to the general allocator only.
+/// (combined_peak): sampled after each pool allocation, each move back asked for here, each
+/// general allocation that added memory while the pools held some, and at each read. An
+/// observable_allocator says when it adds memory (segment_alloc, to an observer installed with
+/// the first pool), so its other allocations cost nothing more; another is sampled after every
+/// allocation while the pools hold memory (one more call to it, under its lock). A deferred move
+/// back that the general allocator completes inside another of its calls is seen at the next
+/// sample. The memory limit applies to the general allocator only.
 ///
 /// Memory history (record_history; off by default, then one atomic load per call): per device,
 /// the newest `max_entries` of alloc, free_requested and oom (seen here), and, for an
@@ -166,7 +172,7 @@ class pluggable_allocator {
       s = &registry_.for_device(device);
       if (void* p = s->pools.allocate(bytes, stream)) {
         note(*s, memory_action::alloc, p, bytes, stream);
-        sample_combined(*s);
+        sample_combined(*s);  // the pools may have grown
         return p;
       }
       void* p = s->allocator->allocate(bytes, stream);
@@ -305,6 +311,7 @@ class pluggable_allocator {
       if (!s.allocator->owns(p)) return;
       DeviceScope scope(device);
       s.allocator->complete_move(p);
+      sample_combined(s);  // a move back holds more memory once complete
     });
   }
   /// Work queued on `stream` from now on may use the allocation at `p` (the allocator's
@@ -321,6 +328,7 @@ class pluggable_allocator {
       } else {
         s.allocator->complete_move(p);
       }
+      sample_combined(s);
     });
   }
   /// The bytes offload(p) would move now (the allocator's movable_bytes; 0 for a pointer no
@@ -421,7 +429,7 @@ class pluggable_allocator {
     each_device(device, "resetting peaks", [](slot& s) {
       statistics before = s.allocator->reset_peaks();
       const std::size_t general_peak = before.peak_reserved_bytes;
-      s.pools.for_each([&](pool_id, Allocator& pool) { detail::accumulate(before, pool.reset_peaks()); });
+      s.pools.for_each([&](pool_id, Allocator& pool) { accumulate(before, pool.reset_peaks(), peak_rule::summed); });
       slot::raise(s.lifetime_active, before.peak_active_bytes);
       slot::raise(s.lifetime_reserved, combined_peak(s, general_peak, before));
       s.combined_peak.store(s.allocator->reserved_bytes() + s.pools.reserved_bytes(), std::memory_order_relaxed);
@@ -464,7 +472,9 @@ class pluggable_allocator {
   {
     try {
       DeviceScope scope(device);
-      registry_.for_device(device).pools.begin(pool, std::move(filter));
+      slot& s = registry_.for_device(device);
+      watch_growth(s);  // before the pools' lock: history_mutex_ is taken before it elsewhere
+      s.pools.begin(pool, std::move(filter));
       return true;
     } catch (const std::exception& e) {
       error("glake: beginning to allocate to pool (%llu, %llu) on device %d failed: %s",
@@ -601,6 +611,7 @@ class pluggable_allocator {
           s.allocator->prefetch(p, stream);
         }
       }
+      if (!to_far) sample_combined(s);  // memory back on the device
       if (s.trace) s.trace->reserved(s.allocator->reserved_bytes());
     });
     if (!found) {
@@ -611,7 +622,8 @@ class pluggable_allocator {
   }
 
   struct slot {
-    slot(pluggable_allocator& owner, int id) : device(id), pools(pool_host{&owner, this}) {}
+    slot(pluggable_allocator& owner, int id) : owner(&owner), device(id), pools(pool_host{&owner, this}) {}
+    pluggable_allocator* owner;
     int device = 0;
     std::unique_ptr<Allocator> allocator;
     std::unique_ptr<trace_recorder> trace;
@@ -621,6 +633,10 @@ class pluggable_allocator {
     std::atomic<std::size_t> lifetime_reserved{0};
     // The highest general + pools reserved sum sampled since reset_peak (see combined_peak).
     std::atomic<std::size_t> combined_peak{0};
+    // The general allocator added memory while the pools held some: the next general
+    // allocation to return samples the sum (observable allocators; see on_general_event).
+    std::atomic<bool> grew{false};
+    bool watched = false;  // the general allocator's observer watches for growth (history_mutex_)
     pools_type pools;  // CUDA graphs' private pools
     static_assert(!memory_retaining_allocator<Allocator> || graph_pooling<pools_type>);  // begin needs it
 
@@ -649,7 +665,7 @@ class pluggable_allocator {
     std::lock_guard guard(history_mutex_);
     if (history_on_.load(std::memory_order_relaxed)) {
       s->history.reset(history_capacity_);
-      observe(*s->allocator, *s, true);
+      observe_general(*s);
     }
     return s;
   }
@@ -684,7 +700,8 @@ class pluggable_allocator {
                     std::max({general_peak, s.combined_peak.load(std::memory_order_relaxed), summed.reserved_bytes}));
   }
 
-  // While the pools hold memory: raises the slot's combined peak to general + pools now.
+  // While the pools hold memory: raises the slot's combined peak to general + pools now (one
+  // call to the general allocator, under its lock).
   static void sample_combined(slot& s) noexcept {
     if (const std::size_t pools = s.pools.reserved_bytes(); pools != 0) {
       try {
@@ -715,20 +732,61 @@ class pluggable_allocator {
     auto* s = static_cast<slot*>(context);
     s->history.record(history_entry{e.action, e.address, e.size, e.stream, now_us(), s->device});
   }
+  // The general allocator's observer: the history's entries while it records, and, once watched,
+  // growth while the pools hold memory (called under the allocator's lock: a flag, not a sample).
+  static void on_general_event(void* context, const memory_event& e) noexcept {
+    auto* s = static_cast<slot*>(context);
+    if (e.action == memory_action::segment_alloc && s->pools.reserved_bytes() != 0) {
+      s->grew.store(true, std::memory_order_relaxed);
+    }
+    if (s->owner->history_on_.load(std::memory_order_relaxed)) on_event(context, e);
+  }
 
   static void observe([[maybe_unused]] Allocator& a, [[maybe_unused]] slot& s, [[maybe_unused]] bool on) {
     if constexpr (observable_allocator<Allocator>) a.set_memory_observer(on ? &on_event : nullptr, &s);
   }
+  // Under history_mutex_: the general allocator observed while the history records or the
+  // device has had pools.
+  void observe_general([[maybe_unused]] slot& s) {
+    if constexpr (observable_allocator<Allocator>) {
+      const bool on = s.watched || history_on_.load(std::memory_order_relaxed);
+      s.allocator->set_memory_observer(on ? &on_general_event : nullptr, &s);
+    }
+  }
   void observe_all(slot& s, bool on) {
-    observe(*s.allocator, s, on);
+    observe_general(s);
     s.pools.for_each([&](pool_id, Allocator& pool) { observe(pool, s, on); });
+  }
+  // From the first pool on, the general allocator's growth is watched (observable allocators).
+  void watch_growth([[maybe_unused]] slot& s) {
+    if constexpr (observable_allocator<Allocator>) {
+      std::lock_guard guard(history_mutex_);
+      if (s.watched) return;
+      s.watched = true;
+      try {
+        observe_general(s);
+      } catch (...) {
+        s.watched = false;
+        throw;
+      }
+    }
+  }
+  // After a general allocation: whether the combined peak needs a sample. An observable
+  // allocator said whether it added memory while the pools held some (one atomic load when it
+  // did not); another may have, whenever the pools hold memory.
+  static bool general_grew([[maybe_unused]] slot& s) noexcept {
+    if constexpr (observable_allocator<Allocator>) {
+      return s.grew.load(std::memory_order_relaxed) && s.grew.exchange(false, std::memory_order_relaxed);
+    } else {
+      return true;
+    }
   }
 
   // ------------------------------------------------------------------ plumbing
   // The trace, once memory was handed out: failures here must not lose it.
   void after_allocate(slot& s, void* p, std::size_t bytes, stream_ref stream) noexcept {
     note(s, memory_action::alloc, p, bytes, stream);
-    sample_combined(s);
+    if (general_grew(s)) sample_combined(s);
     try {
       if (s.trace) s.trace->allocated(p, bytes, stream, s.allocator->reserved_bytes());
     } catch (const std::exception& e) {

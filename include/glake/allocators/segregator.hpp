@@ -146,38 +146,17 @@ class segregator : public forward_capabilities<segregator<Small, Large, Lock>, S
   void capabilities_changed() { track_reserved(); }
 
   statistics stats_locked() const {
-    const statistics a = small_.stats(), b = large_.stats();
-    statistics s = counters_.s;
-    s.allocated_bytes = a.allocated_bytes + b.allocated_bytes;
-    s.peak_allocated_bytes = std::max(s.peak_allocated_bytes, s.allocated_bytes);
-    s.reserved_bytes = a.reserved_bytes + b.reserved_bytes;
-    s.cached_stitch_bytes = a.cached_stitch_bytes + b.cached_stitch_bytes;
-    s.offloaded_bytes = a.offloaded_bytes + b.offloaded_bytes;
-    s.spare_bytes = a.spare_bytes + b.spare_bytes;
-    s.failed_allocations = a.failed_allocations + b.failed_allocations;
-    s.splits = a.splits + b.splits;
-    s.merges = a.merges + b.merges;
-    s.segments_created = a.segments_created + b.segments_created;
-    s.segments_released = a.segments_released + b.segments_released;
-    s.stitches = a.stitches + b.stitches;
-    s.stitch_cache_hits = a.stitch_cache_hits + b.stitch_cache_hits;
-    s.stitch_repairs = a.stitch_repairs + b.stitch_repairs;
-    s.stitch_grows = a.stitch_grows + b.stitch_grows;
-    s.stitch_evictions = a.stitch_evictions + b.stitch_evictions;
-    s.cross_stream_bytes = a.cross_stream_bytes + b.cross_stream_bytes;
-    s.device_waits = a.device_waits + b.device_waits;
-    s.events_recorded = a.events_recorded + b.events_recorded;
-    s.event_queries = a.event_queries + b.event_queries;
-    s.event_ns = a.event_ns + b.event_ns;
-    s.recycled_handles = a.recycled_handles + b.recycled_handles;
-    for (std::size_t k = 0; k < driver_call_kinds; ++k) {
-      s.driver_calls.counts[k] = a.driver_calls.counts[k] + b.driver_calls.counts[k];
-      s.driver_time.ns[k] = a.driver_time.ns[k] + b.driver_time.ns[k];
-    }
-    s.offloads = a.offloads;
-    accumulate_moves(s.offloads, b.offloads);
-    s.prefetches = a.prefetches;
-    accumulate_moves(s.prefetches, b.prefetches);
+    statistics s = small_.stats();
+    accumulate(s, large_.stats());
+    // The segregator's own: the calls it served, the bytes asked of it, and the peaks of the sums
+    // (a sum's peak is not the parts' peaks added, nor the higher of them).
+    const statistics& own = counters_.s;
+    s.allocations = own.allocations;
+    s.deallocations = own.deallocations;
+    s.active_bytes = own.active_bytes;
+    s.peak_active_bytes = own.peak_active_bytes;
+    s.peak_allocated_bytes = std::max(own.peak_allocated_bytes, s.allocated_bytes);
+    s.peak_reserved_bytes = own.peak_reserved_bytes;
     return s;
   }
 

@@ -48,13 +48,15 @@ class driver_meter {
 
 /// Adds what the backend work in its scope costs to `costs` (move_costs): the backend's calls,
 /// the device handles it created, those it reused (spares the backend recycled, and handles the
-/// exchange handed over), and the steady-clock time. Backend: vmm_backend; Exchange: anything
-/// with handed() (handle_exchange).
+/// exchange counted as served: kept by a move that finished), and the steady-clock time. The
+/// handles served count as handed over in `givers` too (the moves that gave them), where given.
+/// Backend: vmm_backend; Exchange: anything with handed() (handle_exchange).
 template <class Backend, class Exchange>
 class move_cost_meter {
  public:
-  move_cost_meter(const Backend& backend, move_costs& costs, const Exchange& exchange) noexcept
-      : backend_(backend), costs_(costs), exchange_(exchange), calls_(backend.calls().total()),
+  move_cost_meter(const Backend& backend, move_costs& costs, const Exchange& exchange,
+                  move_costs* givers = nullptr) noexcept
+      : backend_(backend), costs_(costs), exchange_(exchange), givers_(givers), calls_(backend.calls().total()),
         made_(backend.calls()[driver_call::create]), recycled_(backend.recycled_handles()),
         handed_(exchange.handed()) {}
   move_cost_meter(const move_cost_meter&) = delete;
@@ -65,12 +67,14 @@ class move_cost_meter {
     costs_.handles_made += backend_.calls()[driver_call::create] - made_;
     costs_.handles_reused += backend_.recycled_handles() - recycled_ + handed;
     costs_.handed_over += handed;
+    if (givers_ != nullptr) givers_->handed_over += handed;
   }
 
  private:
   const Backend& backend_;
   move_costs& costs_;
   const Exchange& exchange_;
+  move_costs* givers_;
   std::uint64_t calls_, made_, recycled_, handed_;
   stopwatch watch_{costs_.host_ns};
 };

@@ -590,8 +590,9 @@ class allocation_mover {
         const move_meter meter(*this, to_far);
         return move->start(clean == nullptr, copies, wait_copies);
       };
+      // A move back keeps exchange_ (a member: it outlives the move) to count there, once
+      // finished, the handles it took.
       const detail::move_outcome r = to_far ? start() : with_handover(sites, bytes, start);
-      move->take_from(nullptr);
       if (r == detail::move_outcome::out_of_memory) throw_move_out_of_memory(where, p, bytes, to_far);
       const auto address = reinterpret_cast<std::uintptr_t>(p);
       typename pending_map::iterator it;
@@ -628,7 +629,6 @@ class allocation_mover {
     typename moved_map::node_type record = std::move(it->second.record);
     pending_.erase(it);
     detail::move_outcome r = detail::move_outcome::out_of_memory;
-    const std::size_t wanted = exchange_.wanted();
     {
       const move_meter meter(*this, move->to_far());
       try {
@@ -643,7 +643,6 @@ class allocation_mover {
         if (const auto c = clean_.find(address); c != clean_.end()) far_copy_used(c->second);
       }
       host_.counters().on_move_out(bytes);
-      host_.counters().s.offloads.handed_over += wanted - exchange_.wanted();
       ++host_.counters().s.offloads.moves;
       record.mapped() = moved_allocation{move->take_sites(), bytes, false};
       moved_.insert(std::move(record));
@@ -728,11 +727,13 @@ class allocation_mover {
     }
   }
 
-  // Counts the work in its scope as moves out (`to_far`) or back (detail::move_cost_meter).
+  // Counts the work in its scope as moves out (`to_far`) or back (detail::move_cost_meter); the
+  // handles a move back kept from the exchange count as handed over by the offloads too.
   struct move_meter : detail::move_cost_meter<backend_type, handle_exchange<handle_type>> {
     move_meter(allocation_mover& m, bool to_far) noexcept
-        : move_meter::move_cost_meter(m.host_.backend(), to_far ? m.host_.counters().s.offloads
-                                                                : m.host_.counters().s.prefetches, m.exchange_) {}
+        : move_meter::move_cost_meter(m.host_.backend(),
+                                      to_far ? m.host_.counters().s.offloads : m.host_.counters().s.prefetches,
+                                      m.exchange_, to_far ? nullptr : &m.host_.counters().s.offloads) {}
   };
 
   // Undoes a pending move, or completes one that work may be using already (ready_on).

@@ -28,13 +28,17 @@ namespace glake {
 // | cx.wants(n)     | bool        | no        | a handle of n bytes would be taken now
 // | cx.wanted()     | size_t      | no        | handles wanted and not given yet
 // | x.give(h, n)    | void        | no        | h (n bytes, wants(n)) kept for take; one want less
-// | x.take(n)       | optional<H> | no        | a given handle of n bytes, if any; counted
+// | x.take(n)       | optional<H> | no        | a given handle of n bytes, if any
+// | x.served(k)     | void        | no        | k handles taken stay with a move that finished:
+// |                 |             |           | counted in handed()
 // | cx.bytes()      | size_t      | no        | bytes given and not taken: still the backend's
 // | x.close(f)      | void        | no        | no more wants; f(h, n) for each handle not taken
-// | cx.handed()     | uint64_t    | no        | handles taken since construction
+// | cx.handed()     | uint64_t    | no        | handles served since construction
 //
-// Between two moves an exchange is closed: empty, wanting nothing, so it holds no memory any
-// budget does not see. Model: handle_exchange.
+// A handle taken counts only once its move finished: a taker that runs out of memory, or whose
+// move is undone, releases what it took, and so does close for what nobody took; neither was
+// handed over. Between two moves an exchange is closed: empty, wanting nothing, so it holds no
+// memory any budget does not see. Model: handle_exchange.
 // ---------------------------------------------------------------------------------------------
 template <class X>
 concept handle_exchanging = requires(X& x, const X& cx, std::size_t n, typename X::handle_type h,
@@ -44,6 +48,7 @@ concept handle_exchanging = requires(X& x, const X& cx, std::size_t n, typename 
   { cx.wanted() } noexcept -> std::same_as<std::size_t>;
   { x.give(h, n) } noexcept -> std::same_as<void>;
   { x.take(n) } noexcept -> std::same_as<std::optional<typename X::handle_type>>;
+  { x.served(n) } noexcept -> std::same_as<void>;
   { cx.bytes() } noexcept -> std::same_as<std::size_t>;
   { x.close(f) } noexcept -> std::same_as<void>;
   { cx.handed() } noexcept -> std::same_as<std::uint64_t>;
@@ -81,11 +86,11 @@ class handle_exchange {
       given_[i] = given_.back();
       given_.pop_back();
       bytes_ -= bytes;
-      ++handed_;
       return h;
     }
     return std::nullopt;
   }
+  void served(std::size_t handles) noexcept { handed_ += handles; }
   std::size_t bytes() const noexcept { return bytes_; }
   template <class F>
   void close(F&& leftover) noexcept {

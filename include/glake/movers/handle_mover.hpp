@@ -84,8 +84,10 @@ enum class move_outcome {
 ///
 /// Handed over (handle_exchange): a move out given an exchange (give_to) leaves the device
 /// handles its finish replaces there, where wanted, instead of releasing them; a move back given
-/// one (take_from) takes handles of its sites' sizes there before creating any. Finish comes
-/// only after the copies, so a handle handed over has no copy pending on it.
+/// one (take_from) takes handles of its sites' sizes there before creating any, and its finish
+/// counts there those it kept (a start out of memory, or an abandon, releases them: they were not
+/// handed over). Finish comes only after the copies, so a handle handed over has no copy pending
+/// on it.
 ///
 /// Clean far copies (either residence): keep_replaced() before finish of a move back keeps the
 /// far handles it replaces (take_replaced()) instead of releasing them; a move out given such
@@ -121,9 +123,10 @@ class handle_move {
   /// The far handles a finished move back replaced, in site order (keep_replaced).
   std::vector<handle_type> take_replaced() noexcept { return std::move(replaced_); }
   /// Moving out: the device handles finish replaces go to `x` where it wants them.
-  void give_to(handle_exchange<handle_type>* x) noexcept { exchange_ = x; }
-  /// Moving back: start takes device handles from `x` before it creates any.
-  void take_from(handle_exchange<handle_type>* x) noexcept { exchange_ = x; }
+  void give_to(handle_exchange<handle_type>* x) noexcept { use_exchange(x, true); }
+  /// Moving back: start takes device handles from `x` before it creates any, and finish tells
+  /// `x` how many of them the move kept (handle_exchange::served), so `x` must outlive the move.
+  void take_from(handle_exchange<handle_type>* x) noexcept { use_exchange(x, false); }
   /// Whether it moves out to handles given by use_handles.
   bool uses_given_handles() const noexcept { return given_; }
   /// Where addresses left unmapped by a failed remap are recorded, and looked up (memory away
@@ -316,6 +319,10 @@ class handle_move {
 
  private:
   static void* at(std::uintptr_t a) noexcept { return reinterpret_cast<void*>(a); }
+  // An exchange serves one direction: a call for the other changes nothing.
+  void use_exchange(handle_exchange<handle_type>* x, bool giving) noexcept {
+    if (giving == to_far_) exchange_ = x;
+  }
   bool hole(std::uintptr_t a) const noexcept { return holes_ != nullptr && !holes_->empty() && holes_->contains(a); }
   void filled(std::uintptr_t a) noexcept {
     if (holes_ != nullptr && !holes_->empty()) holes_->erase(a);
@@ -338,11 +345,16 @@ class handle_move {
       slot.far = to_far_;
     }
     made_.clear();
+    if (taken_ != 0) exchange_->served(taken_);  // handed over for good
+    taken_ = 0;
   }
 
   std::optional<handle_type> take_or_create(std::size_t bytes) {
     if (exchange_ != nullptr) {
-      if (std::optional<handle_type> h = exchange_->take(bytes)) return h;
+      if (std::optional<handle_type> h = exchange_->take(bytes)) {
+        ++taken_;
+        return h;
+      }
     }
     return backend_->try_create_handle(bytes);
   }
@@ -413,6 +425,7 @@ class handle_move {
       }
     }
     made_.clear();
+    taken_ = 0;  // released with the rest: not handed over
   }
   void drop_temp() noexcept {
     std::size_t off = 0;
@@ -432,6 +445,7 @@ class handle_move {
   bool unmapped_;
   mapping_holes<handle_type>* holes_ = nullptr;
   handle_exchange<handle_type>* exchange_ = nullptr;  // give_to / take_from
+  std::size_t taken_ = 0;       // of made_, handles taken from exchange_ (served at finish)
   bool given_ = false;          // made_ holds handles given by use_handles
   bool keep_replaced_ = false;  // hand_over keeps the far handles it replaces in replaced_
   std::vector<handle_type> replaced_;
