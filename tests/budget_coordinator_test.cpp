@@ -31,6 +31,7 @@
 #include "glake/scheduling/coordinated_budget.hpp"
 #include "glake/scheduling/lru_policy.hpp"
 #include "glake/scheduling/scheduler.hpp"
+#include "support/coordinator_thread.hpp"
 #include "support/processes.hpp"
 
 namespace {
@@ -445,11 +446,7 @@ TEST_CASE("budget_coordinator: admission, malformed messages and a second coordi
 
 namespace {
 
-// Offers nothing: a workload whose memory is all in use.
-struct nothing_to_give final : budget_member {
-  std::optional<victim> offer_victim(const ask&) override { return std::nullopt; }
-  std::size_t evict(const ask&, allocation_id) override { return 0; }
-};
+using testing::nothing_to_give;
 
 // A coordinator in a child process, until the test ends (or kills it).
 class coordinator_process {
@@ -492,20 +489,10 @@ struct budget_fixture<shared_budget> {
 
 template <>
 struct budget_fixture<coordinated_budget> {
-  temp_dir dir;
-  budget_coordinator coordinator;
-  channel stop;
-  std::thread server;
+  testing::coordinator_thread coordinator;
   coordinated_budget budget;
-  explicit budget_fixture(std::size_t bytes)
-      : coordinator(dir.socket(), bytes),
-        server([this] { coordinator.run(stop.fds[0]); }),
-        budget(dir.socket(), 1) {
+  explicit budget_fixture(std::size_t bytes) : coordinator(bytes), budget(coordinator.socket(), 1) {
     REQUIRE(budget.coordinated());
-  }
-  ~budget_fixture() {
-    stop.put('S');
-    server.join();
   }
 };
 
@@ -533,6 +520,7 @@ struct one_victim final : budget_member {
     budget.release(id, bytes);
     return bytes;
   }
+  void settle_evictions() override {}  // evict leaves nothing pending
 };
 
 }  // namespace
@@ -852,7 +840,10 @@ TEST_CASE("coordinated_budget: two processes whose needs sum over the budget bot
   CHECK(shared.count->peak.load() <= static_cast<std::int64_t>(budget_bytes));
   CHECK(shared.count->peak.load() >= static_cast<std::int64_t>(8 * G));
   CHECK(shared.count->moves.load() > 2 * 20 * 4);  // every operation moved something
-  CHECK(coordinator.stats().grants > 2 * 20 * 4);
+  // Bytes a process moved out for its own operations stay its own (pending moves) and serve its
+  // next grants without the coordinator: it grants the first fills and what moves between them.
+  CHECK(coordinator.stats().grants >= 2);
+  CHECK(coordinator.stats().grants < static_cast<std::uint64_t>(shared.count->moves.load()));
   CHECK(coordinator.stats().timeouts == 0);
   CHECK(coordinator.stats().peak_used <= budget_bytes);
   for (int i = 0; i < 100 && coordinator.clients() != 0; ++i) coordinator.poll_once(10);

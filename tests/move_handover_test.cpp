@@ -25,14 +25,17 @@
 #include "glake/movers/handle_exchange.hpp"
 #include "glake/scheduling/allocation_memory.hpp"
 #include "glake/scheduling/budget.hpp"
+#include "glake/scheduling/coordinated_budget.hpp"
 #include "glake/scheduling/lru_policy.hpp"
 #include "glake/scheduling/scheduler.hpp"
+#include "support/coordinator_thread.hpp"
 #include "support/evented_reserver.hpp"
 #include "support/step_clock.hpp"
 
 namespace {
 
 using namespace glake;
+using namespace std::chrono_literals;
 constexpr std::size_t M = MiB;
 using evented_alloc = stitching_allocator<sim_provider, testing::evented_reserver>;
 
@@ -378,4 +381,200 @@ TEST_CASE("move handover: handles a prefetch took and gave back, when it ran out
   a.release_cached();
   CHECK(gpu.physical_bytes() == 0);
   CHECK(gpu.violations() == 0);
+}
+
+// Under a budget coordinator (tests/support/coordinator_thread.hpp): a move out for an acquire of
+// the same process stays pending and its handles go to the prefetch that displaced it, while a
+// move out for another process settles before the bytes are granted there. After each call the
+// coordinator counts for the process what its own ledger counts, and no less than the simulated
+// device holds for it.
+namespace {
+
+// The coordinator's count for the process `b` (the only one), and its own ledger's, agree and
+// cover what the device holds for it.
+void check_counts(coordinated_budget& b, const sim_device& gpu) {
+  const auto ledger = b.coordinator_ledger();
+  REQUIRE(ledger.has_value());
+  std::size_t local = 0;
+  for (const workload_usage& u : b.snapshot()) local += u.held;
+  CHECK(ledger->used == local);
+  CHECK(gpu.physical_bytes() <= ledger->used);
+}
+
+}  // namespace
+
+TEST_CASE("move handover: under a coordinator a prefetch displacing its own process's memory takes its handles") {
+  const std::size_t budget_bytes = 40 * M;
+  testing::coordinator_thread service(budget_bytes);
+  setup s(256 * M);
+  using memory = allocation_memory<evented_alloc>;
+  void* p = s.a.allocate(32 * M, own);
+  s.a.offload(p, own);
+  void* q = s.a.allocate(32 * M, own);
+  memory mp(s.a, p, 32 * M), mq(s.a, q, 32 * M);
+  s.a.release_cached();
+  s.a.set_memory_limit(budget_bytes);  // the device serves no byte beyond the grant
+  {
+    coordinated_budget budget(service.socket(), budget_bytes);
+    REQUIRE(budget.coordinated());
+    scheduler_options options;
+    options.stream = own;
+    options.moves = deferred;
+    step_clock clock;
+    workload_scheduler<memory, lru_policy, step_clock, coordinated_budget> w(budget, "tensors", lru_policy{}, options,
+                                                                              clock);
+    const allocation_id ip = w.manage(mp);  // on the host
+    const allocation_id iq = w.manage(mq);  // on the device: 32 MiB granted
+    check_counts(budget, s.gpu);
+    const statistics before = s.a.stats();
+    const std::uint64_t creates = calls(s.a, driver_call::create), releases = calls(s.a, driver_call::release);
+
+    // p needs 32 MiB, 8 are left: q moves out, pending (its copies still run), and p takes its
+    // 16 handles once they are done, instead of q releasing them and p making 16.
+    w.will_use(ip);
+    CHECK(w.residence_of(iq) == residence::host);
+    CHECK(calls(s.a, driver_call::create) == creates);
+    CHECK(calls(s.a, driver_call::release) == releases);
+    const statistics after = s.a.stats();
+    CHECK(after.prefetches.handed_over == before.prefetches.handed_over + 16);
+    CHECK(after.prefetches.handles_made == before.prefetches.handles_made);
+    CHECK(budget.stats().evictions == 1);
+    CHECK(budget.pending_bytes() == 0);  // all 32 MiB taken by p's acquire
+    check_counts(budget, s.gpu);
+    s.log.complete(own);
+    w.idle();
+    w.settle();
+    s.a.verify();
+    check_counts(budget, s.gpu);
+    w.unmanage(ip);
+    w.unmanage(iq);
+  }
+  s.a.complete_moves(true);
+  s.a.set_memory_limit(0);
+  if (s.a.residence_of(q) == residence::host) s.a.prefetch(q, own);
+  s.a.deallocate(p, 32 * M, own);
+  s.a.deallocate(q, 32 * M, own);
+  s.a.release_cached();
+  CHECK(s.gpu.physical_bytes() == 0);
+  CHECK(s.gpu.violations() == 0);
+}
+
+TEST_CASE("move handover: under a coordinator a scheduler's prefetches take its own offloads' handles, within its grant") {
+  const std::size_t budget_bytes = 40 * M;
+  testing::coordinator_thread service(budget_bytes);
+  sim_device gpu(256 * M, 2 * M, 256 * M);
+  testing::event_log log;
+  evented_alloc a{sim_provider(gpu), testing::evented_reserver(gpu, log)};
+  a.attach_far_memory(sim_host_provider(gpu), sim_copier(gpu));
+  using memory = allocation_memory<evented_alloc>;
+  const stream_ref work{std::uintptr_t{1}};
+  const std::vector<std::size_t> sizes = {16 * M, 8 * M, 12 * M, 16 * M, 8 * M, 12 * M};  // 72 MiB
+  std::vector<void*> blocks;
+  std::vector<std::unique_ptr<memory>> memories;
+  for (std::size_t n : sizes) {
+    blocks.push_back(a.allocate(n, work));
+    memories.push_back(std::make_unique<memory>(a, blocks.back(), n));
+  }
+  {
+    coordinated_budget budget(service.socket(), budget_bytes);
+    REQUIRE(budget.coordinated());
+    step_clock clock;
+    scheduler_options options;
+    options.stream = work;
+    options.moves = move_completion::deferred;
+    workload_scheduler<memory, lru_policy, step_clock, coordinated_budget> w(budget, "tensors", lru_policy{}, options,
+                                                                              clock);
+    std::vector<allocation_id> ids;
+    for (auto& m : memories) ids.push_back(w.manage(*m));
+    const auto step = [&](std::size_t k) {
+      const allocation_id use[] = {ids[k], ids[(k + 1) % ids.size()]};
+      w.will_use(std::span<const allocation_id>(use));
+      log.complete(work);  // the queued work (and copies) ran
+      clock.ns->fetch_add(100'000);
+    };
+    for (std::size_t k = 0; k < ids.size(); ++k) step(k);
+    a.complete_moves(true);
+    a.release_cached();
+    check_counts(budget, gpu);
+    a.set_memory_limit(budget_bytes);  // the device serves no byte beyond the budget
+    const statistics before = a.stats();
+    const std::uint64_t evictions = budget.stats().evictions;
+    for (int iteration = 0; iteration < 3; ++iteration) {
+      for (std::size_t k = 0; k < ids.size(); ++k) {
+        step(k);
+        check_counts(budget, gpu);
+        a.verify();
+      }
+    }
+    const statistics after = a.stats();
+    CHECK(budget.stats().evictions > evictions);
+    CHECK(after.prefetches.moves > before.prefetches.moves);
+    CHECK(after.prefetches.handed_over > before.prefetches.handed_over);
+    CHECK(after.prefetches.handles_made == before.prefetches.handles_made);  // every one handed over
+    w.settle();
+    w.idle();
+    for (allocation_id id : ids) w.unmanage(id);
+  }
+  a.complete_moves(true);
+  a.set_memory_limit(0);
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    if (a.residence_of(blocks[i]) == residence::host) a.prefetch(blocks[i], work);
+    a.deallocate(blocks[i], sizes[i], work);
+  }
+  a.verify();
+  a.release_cached();
+  CHECK(gpu.physical_bytes() == 0);
+  CHECK(gpu.violations() == 0);
+}
+
+TEST_CASE("move handover: under a coordinator a move out for another process settles before that process gets the bytes") {
+  const std::size_t budget_bytes = 40 * M;
+  testing::coordinator_thread service(budget_bytes);
+  setup s(256 * M);
+  using memory = allocation_memory<evented_alloc>;
+  void* q = s.a.allocate(32 * M, own);
+  memory mq(s.a, q, 32 * M);
+  {
+    coordinated_budget mine(service.socket(), budget_bytes), theirs(service.socket(), budget_bytes);
+    REQUIRE(mine.coordinated());
+    REQUIRE(theirs.coordinated());
+    scheduler_options options;
+    options.stream = own;
+    options.moves = deferred;
+    step_clock clock;
+    workload_scheduler<memory, lru_policy, step_clock, coordinated_budget> w(mine, "tensors", lru_policy{}, options,
+                                                                              clock);
+    const allocation_id iq = w.manage(mq);
+    // Another workload of the same process needs 24 MiB, 8 are left: q moves out and stays
+    // pending (its copies run), its bytes this process's: 24 to the workload, 8 pending moves.
+    testing::nothing_to_give activations;
+    const workload_id act = mine.join("activations", activations);
+    mine.acquire(act, 24 * M, 1s);
+    CHECK(w.residence_of(iq) == residence::host);
+    CHECK(mine.pending_bytes() == 8 * M);
+    CHECK(s.gpu.physical_bytes() == 32 * M);  // q's handles, pending
+    check_counts(mine, s.gpu);
+
+    // Another process needs 16 MiB: the coordinator reclaims the pending moves' 8 MiB, which
+    // settle first (q's copies waited for, its handles released), then the bytes go.
+    const std::size_t waits = s.log.waited;
+    testing::nothing_to_give other;
+    const workload_id o = theirs.join("other process", other);
+    theirs.acquire(o, 16 * M, 5s);
+    CHECK(s.log.waited > waits);
+    CHECK(s.gpu.physical_bytes() == 0);  // free before the other process was granted the bytes
+    CHECK(mine.pending_bytes() == 0);
+    CHECK(s.a.residence_of(q) == residence::host);
+    s.a.verify();
+    theirs.release(o, 16 * M);
+    theirs.leave(o);
+    mine.release(act, 24 * M);
+    mine.leave(act);
+    w.unmanage(iq);
+  }
+  s.a.prefetch(q, own);
+  s.a.deallocate(q, 32 * M, own);
+  s.a.release_cached();
+  CHECK(s.gpu.physical_bytes() == 0);
+  CHECK(s.gpu.violations() == 0);
 }
