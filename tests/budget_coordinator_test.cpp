@@ -108,6 +108,8 @@ TEST_CASE("budget_protocol: every message survives encoding and parsing unchange
   CHECK((d.workload == 6 && d.bytes == 99));
   to_coordinator_round_trip(bw::stats_request{});
   CHECK(to_coordinator_round_trip(bw::reclaimed_reply{1234}).bytes == 1234);
+  const auto t = to_coordinator_round_trip(bw::transfer_request{7, 8, std::uint64_t{1} << 33});
+  CHECK((t.from == 7 && t.to == 8 && t.bytes == std::uint64_t{1} << 33));
 
   const auto joined = to_workload_round_trip(bw::joined_reply{8, 1u << 30});
   CHECK((joined.workload == 8 && joined.budget == 1u << 30));
@@ -191,6 +193,9 @@ TEST_CASE("budget_protocol: malformed messages are refused, never thrown or misr
   CHECK(refused_by_coordinator(raw(mt::acquire, cat({le(1, 4), le(2, 4), le(10, 4), le(0, 4), le(5, 8)}))));  // flag
   CHECK(refused_by_coordinator(raw(mt::acquire, cat({le(1, 4), le(0, 4), le(10, 4), le(3, 4), le(5, 8)}))));  // reserved
   CHECK(refused_by_coordinator(raw(mt::acquire, cat({le(1, 4), le(0, 4), le(10, 4), le(0, 4), le(5, 4)}))));  // short
+  CHECK_FALSE(refused_by_coordinator(raw(mt::transfer, cat({le(1, 4), le(2, 4), le(5, 8)}))));
+  CHECK(refused_by_coordinator(raw(mt::transfer, cat({le(1, 4), le(2, 4), le(5, 4)}))));            // short
+  CHECK(refused_by_coordinator(raw(mt::transfer, cat({le(1, 4), le(2, 4), le(5, 8), le(0, 1)}))));  // long
   for (mt t : {mt::release, mt::set_pinned, mt::set_predicted}) {
     CHECK_FALSE(refused_by_coordinator(raw(t, cat({le(1, 4), le(0, 4), le(5, 8)}))));
     CHECK(refused_by_coordinator(raw(t, cat({le(1, 4), le(7, 4), le(5, 8)}))));
@@ -1022,6 +1027,22 @@ TEST_CASE("budget_coordinator: with acquires waiting and nothing to reclaim it s
   }
   CHECK(polls <= 4);
   CHECK(coordinator.waiting() == 1);
+}
+
+TEST_CASE("budget_ledger: a transfer moves held bytes between workloads and frees nothing") {
+  budget_ledger ledger(1000);
+  const workload_id a = ledger.join("a");
+  const workload_id b = ledger.join("b");
+  REQUIRE(ledger.try_acquire(a, 600));
+  ledger.transfer(a, b, 250);
+  CHECK(ledger.usage(a).held == 350);
+  CHECK(ledger.usage(b).held == 250);
+  CHECK(ledger.used() == 600);
+  CHECK_FALSE(ledger.try_acquire(b, 401));  // nothing came free
+  CHECK_THROWS_AS(ledger.transfer(a, b, 351), usage_error);  // more than a holds
+  CHECK_THROWS_AS(ledger.transfer(a, 99, 1), usage_error);   // no such workload
+  CHECK(ledger.usage(a).held == 350);
+  CHECK(ledger.usage(b).held == 250);
 }
 
 TEST_CASE("budget_ledger: workload names are printed without control characters") {
