@@ -31,7 +31,6 @@
 #include "glake/scheduling/coordinated_budget.hpp"
 #include "glake/scheduling/lru_policy.hpp"
 #include "glake/scheduling/scheduler.hpp"
-#include "support/coordinator_thread.hpp"
 #include "support/processes.hpp"
 
 namespace {
@@ -108,8 +107,6 @@ TEST_CASE("budget_protocol: every message survives encoding and parsing unchange
   CHECK((d.workload == 6 && d.bytes == 99));
   to_coordinator_round_trip(bw::stats_request{});
   CHECK(to_coordinator_round_trip(bw::reclaimed_reply{1234}).bytes == 1234);
-  const auto t = to_coordinator_round_trip(bw::transfer_request{7, 8, std::uint64_t{1} << 33});
-  CHECK((t.from == 7 && t.to == 8 && t.bytes == std::uint64_t{1} << 33));
 
   const auto joined = to_workload_round_trip(bw::joined_reply{8, 1u << 30});
   CHECK((joined.workload == 8 && joined.budget == 1u << 30));
@@ -193,9 +190,6 @@ TEST_CASE("budget_protocol: malformed messages are refused, never thrown or misr
   CHECK(refused_by_coordinator(raw(mt::acquire, cat({le(1, 4), le(2, 4), le(10, 4), le(0, 4), le(5, 8)}))));  // flag
   CHECK(refused_by_coordinator(raw(mt::acquire, cat({le(1, 4), le(0, 4), le(10, 4), le(3, 4), le(5, 8)}))));  // reserved
   CHECK(refused_by_coordinator(raw(mt::acquire, cat({le(1, 4), le(0, 4), le(10, 4), le(0, 4), le(5, 4)}))));  // short
-  CHECK_FALSE(refused_by_coordinator(raw(mt::transfer, cat({le(1, 4), le(2, 4), le(5, 8)}))));
-  CHECK(refused_by_coordinator(raw(mt::transfer, cat({le(1, 4), le(2, 4), le(5, 4)}))));            // short
-  CHECK(refused_by_coordinator(raw(mt::transfer, cat({le(1, 4), le(2, 4), le(5, 8), le(0, 1)}))));  // long
   for (mt t : {mt::release, mt::set_pinned, mt::set_predicted}) {
     CHECK_FALSE(refused_by_coordinator(raw(t, cat({le(1, 4), le(0, 4), le(5, 8)}))));
     CHECK(refused_by_coordinator(raw(t, cat({le(1, 4), le(7, 4), le(5, 8)}))));
@@ -451,7 +445,11 @@ TEST_CASE("budget_coordinator: admission, malformed messages and a second coordi
 
 namespace {
 
-using testing::nothing_to_give;
+// Offers nothing: a workload whose memory is all in use.
+struct nothing_to_give final : budget_member {
+  std::optional<victim> offer_victim(const ask&) override { return std::nullopt; }
+  std::size_t evict(const ask&, allocation_id) override { return 0; }
+};
 
 // A coordinator in a child process, until the test ends (or kills it).
 class coordinator_process {
@@ -494,10 +492,20 @@ struct budget_fixture<shared_budget> {
 
 template <>
 struct budget_fixture<coordinated_budget> {
-  testing::coordinator_thread coordinator;
+  temp_dir dir;
+  budget_coordinator coordinator;
+  channel stop;
+  std::thread server;
   coordinated_budget budget;
-  explicit budget_fixture(std::size_t bytes) : coordinator(bytes), budget(coordinator.socket(), 1) {
+  explicit budget_fixture(std::size_t bytes)
+      : coordinator(dir.socket(), bytes),
+        server([this] { coordinator.run(stop.fds[0]); }),
+        budget(dir.socket(), 1) {
     REQUIRE(budget.coordinated());
+  }
+  ~budget_fixture() {
+    stop.put('S');
+    server.join();
   }
 };
 
@@ -525,7 +533,6 @@ struct one_victim final : budget_member {
     budget.release(id, bytes);
     return bytes;
   }
-  void settle_evictions() override {}  // evict leaves nothing pending
 };
 
 }  // namespace
@@ -845,10 +852,7 @@ TEST_CASE("coordinated_budget: two processes whose needs sum over the budget bot
   CHECK(shared.count->peak.load() <= static_cast<std::int64_t>(budget_bytes));
   CHECK(shared.count->peak.load() >= static_cast<std::int64_t>(8 * G));
   CHECK(shared.count->moves.load() > 2 * 20 * 4);  // every operation moved something
-  // Bytes a process moved out for its own operations stay its own (pending moves) and serve its
-  // next grants without the coordinator: it grants the first fills and what moves between them.
-  CHECK(coordinator.stats().grants >= 2);
-  CHECK(coordinator.stats().grants < static_cast<std::uint64_t>(shared.count->moves.load()));
+  CHECK(coordinator.stats().grants > 2 * 20 * 4);
   CHECK(coordinator.stats().timeouts == 0);
   CHECK(coordinator.stats().peak_used <= budget_bytes);
   for (int i = 0; i < 100 && coordinator.clients() != 0; ++i) coordinator.poll_once(10);
@@ -1027,22 +1031,6 @@ TEST_CASE("budget_coordinator: with acquires waiting and nothing to reclaim it s
   }
   CHECK(polls <= 4);
   CHECK(coordinator.waiting() == 1);
-}
-
-TEST_CASE("budget_ledger: a transfer moves held bytes between workloads and frees nothing") {
-  budget_ledger ledger(1000);
-  const workload_id a = ledger.join("a");
-  const workload_id b = ledger.join("b");
-  REQUIRE(ledger.try_acquire(a, 600));
-  ledger.transfer(a, b, 250);
-  CHECK(ledger.usage(a).held == 350);
-  CHECK(ledger.usage(b).held == 250);
-  CHECK(ledger.used() == 600);
-  CHECK_FALSE(ledger.try_acquire(b, 401));  // nothing came free
-  CHECK_THROWS_AS(ledger.transfer(a, b, 351), usage_error);  // more than a holds
-  CHECK_THROWS_AS(ledger.transfer(a, 99, 1), usage_error);   // no such workload
-  CHECK(ledger.usage(a).held == 350);
-  CHECK(ledger.usage(b).held == 250);
 }
 
 TEST_CASE("budget_ledger: workload names are printed without control characters") {

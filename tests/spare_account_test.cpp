@@ -16,7 +16,6 @@
 #include "glake/scheduling/budget_coordinator.hpp"
 #include "glake/scheduling/coordinated_budget.hpp"
 #include "glake/scheduling/spare_account.hpp"
-#include "support/coordinator_thread.hpp"
 #include "support/processes.hpp"
 
 namespace {
@@ -27,7 +26,10 @@ constexpr std::size_t M = MiB;
 using sim_alloc = stitching_allocator<sim_provider, sim_reserver>;
 static_assert(spare_keeping_allocator<sim_alloc>);
 
-using testing::nothing_to_give;
+struct nothing_to_give final : budget_member {
+  std::optional<victim> offer_victim(const ask&) override { return std::nullopt; }
+  std::size_t evict(const ask&, allocation_id) override { return 0; }
+};
 
 struct world {
   sim_device gpu{256 * M, 2 * M, 256 * M};
@@ -94,10 +96,13 @@ TEST_CASE("spare_account: spares stay within the grant, and a workload that need
 }
 
 TEST_CASE("spare_account: under a coordinator another process's need takes the spares, released before the bytes move") {
-  testing::coordinator_thread service(64 * M);
+  testing::temp_dir dir;
+  budget_coordinator coordinator(dir.socket(), 64 * M);
+  testing::channel stop;
+  std::thread server([&] { coordinator.run(stop.fds[0]); });
   {
     world w;
-    coordinated_budget mine(service.socket(), 64 * M), theirs(service.socket(), 64 * M);
+    coordinated_budget mine(dir.socket(), 64 * M), theirs(dir.socket(), 64 * M);
     REQUIRE(mine.coordinated());
     REQUIRE(theirs.coordinated());
     spare_account<sim_alloc, coordinated_budget> spares(mine, w.a);
@@ -119,6 +124,7 @@ TEST_CASE("spare_account: under a coordinator another process's need takes the s
     w.a.prefetch(p);
     w.a.deallocate(p, 32 * M);
   }
-  service.join();
-  CHECK(service.coordinator.stats().peak_used <= 64 * M);
+  stop.put('S');
+  server.join();
+  CHECK(coordinator.stats().peak_used <= 64 * M);
 }

@@ -45,13 +45,6 @@ namespace glake {
 // | m.evict(ask, id)           | size_t (throws what offload    | moves `id` out if it still
 // |                            | throws)                        | qualifies and gives its bytes
 // |                            |                                | back; the bytes, or 0
-// | m.settle_evictions()       | void (throws what settling     | every move out that evict left
-// |                            | throws)                        | pending (ask.settle false) is
-// |                            |                                | complete: its device memory is
-// |                            |                                | free or handed over on return
-//
-// settle_evictions is called with no lock of the budget held and may wait for the member's own
-// lock and for the device; a member whose evictions never stay pending does nothing.
 // ---------------------------------------------------------------------------------------------
 class budget_member {
  public:
@@ -60,9 +53,7 @@ class budget_member {
     std::uint64_t ticket = 0;                          ///< 0: not waiting
     schedule_time later_than = schedule_time::min();   ///< victims used after this only
     /// The memory moved out must have left the device when evict returns (deferred moves
-    /// complete first): the bytes go to another process, which allocates them at once. false:
-    /// a deferred move may stay pending, its device handles left for the asker's prefetch to
-    /// take (handover); settle_evictions completes it later.
+    /// complete first): the bytes go to another process, which allocates them at once.
     bool settle = false;
   };
   struct victim {
@@ -72,7 +63,6 @@ class budget_member {
   };
   virtual std::optional<victim> offer_victim(const ask& a) = 0;
   virtual std::size_t evict(const ask& a, allocation_id id) = 0;
-  virtual void settle_evictions() = 0;
 
  protected:
   budget_member() = default;
@@ -243,13 +233,6 @@ class shared_budget {
       ++generation_;
     }
     changed_.notify_all();
-  }
-
-  /// Moves `bytes` held by `from` to `to` (see budget_ledger::transfer); wakes nobody, since
-  /// nothing came free.
-  void transfer(workload_id from, workload_id to, std::size_t bytes) {
-    std::lock_guard lock(mutex_);
-    ledger_.transfer(from, to, bytes);
   }
 
   /// See budget_ledger::set_pinned: out_of_memory naming the workload when more than the budget.

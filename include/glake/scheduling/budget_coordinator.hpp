@@ -93,7 +93,7 @@ struct budget_coordinator_statistics {
 // their share comes back and waiters are served. A need above the whole budget (join's pinned
 // bytes, set_pinned, one acquire) is refused at once with out_of_memory naming the workload and
 // the bytes. Malformed messages are answered with bad_message and the connection is closed; a
-// refused release, transfer, set_pinned, set_predicted or leave (which are otherwise not answered) gets an
+// refused release, set_pinned, set_predicted or leave (which are otherwise not answered) gets an
 // error with its request id. Admission and the socket file as the dedup broker's
 // (ipc/unix_listener.hpp): options.admit on the peer's credentials, PATH.lock owns the path.
 //
@@ -300,16 +300,6 @@ class budget_coordinator {
       if (!owns(c, r->workload)) return unknown(r->workload);
       try {
         ledger_.release(r->workload, r->bytes);
-      } catch (const std::exception& e) {
-        return reply_error(c, h.request, bw::errc::bad_size, e.what());
-      }
-      return true;
-    }
-    if (auto* t = std::get_if<bw::transfer_request>(&q)) {
-      if (!owns(c, t->from)) return unknown(t->from);
-      if (!owns(c, t->to)) return unknown(t->to);
-      try {
-        ledger_.transfer(t->from, t->to, t->bytes);
       } catch (const std::exception& e) {
         return reply_error(c, h.request, bw::errc::bad_size, e.what());
       }

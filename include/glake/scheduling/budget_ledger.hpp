@@ -128,20 +128,6 @@ class budget_ledger {
     used_ -= bytes;
   }
 
-  /// Moves `bytes` that `from` holds to `to`: what is used stays the same, so nothing comes free
-  /// for anyone else. usage_error when `from` holds fewer, or either workload is unknown.
-  void transfer(workload_id from, workload_id to, std::size_t bytes) {
-    workload_usage& giver = at(from, "transfer");
-    workload_usage& taker = at(to, "transfer");
-    if (bytes > giver.held) {
-      throw usage_error(usage_error::kind::size_mismatch,
-                        "glake::budget_ledger: workload '" + giver.name + "' hands " + std::to_string(bytes) +
-                            " bytes to '" + taker.name + "' but holds " + std::to_string(giver.held));
-    }
-    giver.held -= bytes;
-    taker.held += bytes;
-  }
-
   /// The workload must now hold `bytes` at once. out_of_memory (nothing changes) when that is
   /// more than the whole budget.
   void set_pinned(workload_id id, std::size_t bytes) {

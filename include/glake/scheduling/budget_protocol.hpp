@@ -21,7 +21,7 @@ namespace glake::budget_wire {
 inline constexpr std::uint32_t protocol_magic = 0x424B4C47u;
 /// Bumped on any change to a message's layout; the coordinator answers another version with
 /// errc::unsupported_version and closes the connection.
-inline constexpr std::uint16_t protocol_version = 2;  ///< 2: transfer (2026-11-28)
+inline constexpr std::uint16_t protocol_version = 1;
 /// No message is longer: a longer one is a framing error (a stats reply lists fewer workloads).
 inline constexpr std::size_t max_message_bytes = 8192;
 /// Longest workload name (bytes; 1 at least).
@@ -39,7 +39,6 @@ enum class message_type : std::uint16_t {
   set_predicted = 6,  ///< u32 workload, u32 reserved, u64 bytes
   stats = 7,          ///< no body
   reclaimed = 8,      ///< the answer to a reclaim (same request id): u64 bytes given back
-  transfer = 9,       ///< u32 from, u32 to (workloads of the connection), u64 bytes
   // coordinator → workload
   joined = 0x81,       ///< u32 workload, u32 reserved, u64 budget
   granted = 0x82,      ///< u32 workload, u32 reserved, u64 bytes
@@ -105,12 +104,6 @@ struct set_predicted_request {
   workload_id workload = 0;
   std::uint64_t bytes = 0;
 };
-/// Bytes one workload holds go to another of the same connection; nothing comes free.
-struct transfer_request {
-  workload_id from = 0;
-  workload_id to = 0;
-  std::uint64_t bytes = 0;
-};
 struct stats_request {};
 struct reclaimed_reply {
   std::uint64_t bytes = 0;
@@ -144,7 +137,7 @@ struct error_reply {
 };
 
 using to_coordinator = std::variant<join_request, leave_request, acquire_request, release_request, set_pinned_request,
-                                    set_predicted_request, stats_request, reclaimed_reply, transfer_request>;
+                                    set_predicted_request, stats_request, reclaimed_reply>;
 using to_workload = std::variant<joined_reply, granted_reply, stats_reply, reclaim_request, error_reply>;
 
 /// A message that failed validation: the error to answer with, and whether the stream can
@@ -184,11 +177,6 @@ inline std::vector<std::byte> encode(const leave_request& r, std::uint32_t id) {
 inline std::vector<std::byte> encode(const acquire_request& r, std::uint32_t id) {
   auto w = detail::writer(message_type::acquire, id);
   w.put(r.workload).put(std::uint32_t{r.wait ? 0u : 1u}).put(r.timeout_ms).put(std::uint32_t{0}).put(r.bytes);
-  return std::move(w).finish();
-}
-inline std::vector<std::byte> encode(const transfer_request& r, std::uint32_t id) {
-  auto w = detail::writer(message_type::transfer, id);
-  w.put(r.from).put(r.to).put(r.bytes);
   return std::move(w).finish();
 }
 inline std::vector<std::byte> encode(const release_request& r, std::uint32_t id) {
@@ -329,11 +317,6 @@ inline std::variant<to_coordinator, parse_error> parse_to_coordinator(std::span<
     case message_type::set_predicted: {
       set_predicted_request q;
       if (!detail::workload_and_bytes(r, q.workload, q.bytes)) return detail::bad("malformed set_predicted");
-      return to_coordinator{q};
-    }
-    case message_type::transfer: {
-      transfer_request q;
-      if (r.left() != 16 || !r.get(q.from) || !r.get(q.to) || !r.get(q.bytes)) return detail::bad("malformed transfer");
       return to_coordinator{q};
     }
     case message_type::stats:

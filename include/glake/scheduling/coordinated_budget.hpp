@@ -149,25 +149,6 @@ inline std::optional<budget_wire::stats_reply> query_budget_coordinator(const st
 //   and with from_waiters also what local workloads that wait themselves pinned; each piece
 //   moved out is released to the coordinator as it goes) and answered with the bytes given back.
 //
-// Moves out stay pending where the bytes stay in the process. A move out for an acquire of this
-// process (acquire, try_acquire) does not settle (budget_member::ask::settle false): a deferred
-// offload keeps its device handles for the prefetch that displaced it to take (handover,
-// movers/handle_exchange.hpp). Its bytes are not given back to the coordinator: the evicted
-// workload's release on that thread moves them (transfer, in both ledgers) to a workload of
-// this process's own, "pending moves", and acquires of this process take from it first, before
-// they ask the coordinator. Bytes leave the process only settled: the reclaim that takes the
-// pending moves' bytes (they are the best victim, never used) first has every member complete
-// the moves it left pending (budget_member::settle_evictions), then releases them.
-//
-// Invariant (checked in tests/move_handover_test.cpp): the coordinator's ledger counts for this
-// process what the local ledger counts (pending moves included; the one-way messages in flight
-// aside), and that is never less than the device memory of the managed allocations on the
-// device plus that of the pending moves whose bytes no acquire took yet. An acquire that takes
-// them takes the device memory with them: its prefetch takes their handles when the allocator
-// hands them over (their copies done, or the device short: its memory limit); a prefetch that
-// makes handles of its own while an offload it displaced still copies holds both until that
-// offload completes, as within one process.
-//
 // Without a coordinator (nobody listens at the path, it refuses, or runs as another user) the
 // process runs alone with a local budget of `local_budget` bytes and says so once through
 // options.report. A coordinator lost later (it died, or broke the protocol) is reported the
@@ -228,37 +209,13 @@ class coordinated_budget {
   bool coordinated() const noexcept { return online_; }
   /// The budget: the coordinator's (the whole device budget), or the local one.
   std::size_t budget() const noexcept { return local_->budget(); }
-  /// What this process's workloads hold, as it keeps them ("pending moves" among them once a
-  /// move out for an acquire of this process left one pending).
+  /// What this process's workloads hold, as it keeps them.
   std::vector<workload_usage> snapshot() const { return local_->snapshot(); }
-  /// Bytes moved out for this process's own acquires and not taken by one yet (see the class
-  /// comment): still this process's in both ledgers.
-  std::size_t pending_bytes() const {
-    std::lock_guard lock(pending_mutex_);
-    return pending_bytes_;
-  }
-  /// The coordinator's ledger, asked over this process's connection (so it has handled all this
-  /// process sent before); nullopt when the process runs alone.
-  std::optional<budget_wire::stats_reply> coordinator_ledger() {
-    const std::uint32_t request = next_request();
-    auto answer = ask(budget_wire::encode(budget_wire::stats_request{}, request), request,
-                      std::chrono::milliseconds(options_.timeout_ms));
-    if (!answer) return std::nullopt;
-    if (auto* s = std::get_if<budget_wire::stats_reply>(&*answer)) return std::move(*s);
-    return std::nullopt;
-  }
   budget_statistics stats() const { return local_->stats(); }
 
   workload_id join(std::string name, budget_member& member, std::size_t pinned = 0) {
     check_process();
     const workload_id id = local_->join(name, member, pinned);
-    try {
-      std::lock_guard lock(members_mutex_);
-      members_.emplace_back(id, &member);
-    } catch (...) {
-      local_->leave(id);
-      throw;
-    }
     if (!online_) return id;
     const std::uint32_t request = next_request();
     auto answer = ask(budget_wire::encode(budget_wire::join_request{name, pinned}, request), request,
@@ -269,13 +226,11 @@ class coordinated_budget {
       remote_[id] = j->workload;
       return id;
     }
-    forget_member(id);
     local_->leave(id);
     throw_refusal(*answer, pinned, "join");
   }
 
   void leave(workload_id id) noexcept {
-    forget_member(id);
     local_->leave(id);
     if (const auto r = take_remote(id)) send_one_way(budget_wire::encode(budget_wire::leave_request{*r}, next_request()));
   }
@@ -289,58 +244,41 @@ class coordinated_budget {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     auto remote = remote_of(id);
     if (!remote) return local_->acquire(id, bytes, timeout, ticket);
-    // The bytes of pending moves first, then the coordinator's, then this process's own victims
-    // (left pending: their bytes come back as pending moves' bytes).
-    std::size_t taken = 0;  // of `bytes`, from pending moves: id's already in both ledgers
+    // Now, with this process's own victims first.
     for (;;) {
-      taken += take_pending(id, *remote, bytes - taken);
-      if (taken == bytes) return false;
-      auto answer = remote_acquire(*remote, bytes - taken, false, 0);
-      if (!answer) return return_pending(id, *remote, taken), local_->acquire(id, bytes, left(deadline), ticket);
-      if (std::holds_alternative<budget_wire::granted_reply>(*answer)) {
-        return mirror(id, *remote, bytes - taken, taken), false;
-      }
-      if (!is_error(*answer, budget_wire::errc::no_room)) {
-        return_pending(id, *remote, taken);
-        throw_refusal(*answer, bytes, "acquire");
-      }
+      auto answer = remote_acquire(*remote, bytes, false, 0);
+      if (!answer) return local_->acquire(id, bytes, left(deadline), ticket);
+      if (std::holds_alternative<budget_wire::granted_reply>(*answer)) return mirror(id, *remote, bytes), false;
+      if (!is_error(*answer, budget_wire::errc::no_room)) throw_refusal(*answer, bytes, "acquire");
       // Others may take the room made before this asks again: bounded by the deadline.
       if (std::chrono::steady_clock::now() >= deadline ||
-          move_out_here(budget_member::ask{id, ticket, schedule_time::min(), false}, bytes - taken) == 0) {
+          local_->move_out(budget_member::ask{id, ticket, schedule_time::min(), true}, bytes) == 0) {
         break;
       }
     }
     // Then wait at the coordinator, which asks the other processes for room.
     const auto ms = std::chrono::ceil<std::chrono::milliseconds>(left(deadline)).count();
     const auto wait_ms = static_cast<std::uint32_t>(std::min<long long>(ms, std::numeric_limits<std::uint32_t>::max()));
-    auto answer = remote_acquire(*remote, bytes - taken, true, wait_ms);
-    if (!answer) return return_pending(id, *remote, taken), local_->acquire(id, bytes, left(deadline), ticket), true;
-    if (std::holds_alternative<budget_wire::granted_reply>(*answer)) return mirror(id, *remote, bytes - taken, taken), true;
-    return_pending(id, *remote, taken);
+    auto answer = remote_acquire(*remote, bytes, true, wait_ms);
+    if (!answer) return local_->acquire(id, bytes, left(deadline), ticket), true;
+    if (std::holds_alternative<budget_wire::granted_reply>(*answer)) return mirror(id, *remote, bytes), true;
     throw_refusal(*answer, bytes, "acquire");
   }
 
   bool try_acquire(workload_id id, std::size_t bytes, schedule_time later_than) {
     auto remote = remote_of(id);
     if (!remote) return local_->try_acquire(id, bytes, later_than);
-    std::size_t taken = 0;  // as in acquire
     for (int round = 0; round < 2; ++round) {
-      taken += take_pending(id, *remote, bytes - taken);
-      if (taken == bytes) return true;
-      auto answer = remote_acquire(*remote, bytes - taken, false, 0);
-      if (!answer) return return_pending(id, *remote, taken), local_->try_acquire(id, bytes, later_than);
-      if (std::holds_alternative<budget_wire::granted_reply>(*answer)) {
-        return mirror(id, *remote, bytes - taken, taken), true;
-      }
-      if (!is_error(*answer, budget_wire::errc::no_room)) break;
-      if (round == 0 && move_out_here(budget_member::ask{id, 0, later_than, false}, bytes - taken) == 0) break;
+      auto answer = remote_acquire(*remote, bytes, false, 0);
+      if (!answer) return local_->try_acquire(id, bytes, later_than);
+      if (std::holds_alternative<budget_wire::granted_reply>(*answer)) return mirror(id, *remote, bytes), true;
+      if (!is_error(*answer, budget_wire::errc::no_room)) return false;
+      if (round == 0 && local_->move_out(budget_member::ask{id, 0, later_than, true}, bytes) == 0) return false;
     }
-    return_pending(id, *remote, taken);
     return false;
   }
 
   void release(workload_id id, std::size_t bytes) {
-    if (keepers_.load() != 0 && keep_pending(id, bytes)) return;  // moved out for this process
     local_->release(id, bytes);  // usage_error when it holds fewer: nothing sent then
     if (const auto r = remote_of(id)) {
       send_one_way(budget_wire::encode(budget_wire::release_request{*r, bytes}, next_request()));
@@ -398,170 +336,13 @@ class coordinated_budget {
     std::rethrow_exception(refusal_ptr(a, bytes, what));
   }
 
-  // The coordinator granted `bytes` (beside `taken` from pending moves): the local accounts too.
-  void mirror(workload_id id, workload_id remote, std::size_t bytes, std::size_t taken = 0) {
+  void mirror(workload_id id, workload_id remote, std::size_t bytes) {
     // The local accounts hold at most what the coordinator granted (grants there first,
     // releases here first), so this always fits.
     if (local_->try_acquire(id, bytes, never_used)) return;
     send_one_way(budget_wire::encode(budget_wire::release_request{remote, bytes}, next_request()));
-    return_pending(id, remote, taken);
     throw out_of_memory(bytes, local_->used(), 0, "glake::coordinated_budget: the local accounts disagree with the coordinator's");
   }
-
-  // --- pending moves (see the class comment) ---
-
-  void forget_member(workload_id id) noexcept {
-    std::lock_guard lock(members_mutex_);
-    std::erase_if(members_, [id](const auto& m) { return m.first == id; });
-  }
-
-  // The workload "pending moves" in both ledgers, joined on first use; false when it cannot be
-  // (the coordinator is lost, or refused it): moves out settle then, as before.
-  bool ensure_pending() {
-    std::lock_guard join_lock(pending_join_mutex_);
-    {
-      std::lock_guard lock(pending_mutex_);
-      if (pending_remote_) return true;
-    }
-    if (!online_) return false;
-    const std::uint32_t request = next_request();
-    auto answer = ask(budget_wire::encode(budget_wire::join_request{"pending moves", 0}, request), request,
-                      std::chrono::milliseconds(options_.timeout_ms));
-    const auto* joined = answer ? std::get_if<budget_wire::joined_reply>(&*answer) : nullptr;
-    if (joined == nullptr) return false;
-    const workload_id local = local_->join("pending moves", pending_member_);
-    std::lock_guard lock(pending_mutex_);
-    pending_local_ = local;
-    pending_remote_ = joined->workload;
-    return true;
-  }
-
-  // Moves out this process's own victims for `a` (an acquire of this process), leaving their
-  // moves pending: what they release on this thread meanwhile becomes pending moves' bytes.
-  std::size_t move_out_here(budget_member::ask a, std::size_t bytes) {
-    if (!ensure_pending()) {
-      a.settle = true;
-      return local_->move_out(a, bytes);
-    }
-    const std::thread::id me = std::this_thread::get_id();
-    {
-      std::lock_guard lock(pending_mutex_);
-      keeping_.push_back(me);
-    }
-    ++keepers_;
-    struct unkeep {
-      coordinated_budget* b;
-      std::thread::id me;
-      ~unkeep() {
-        std::lock_guard lock(b->pending_mutex_);
-        b->keeping_.erase(std::find(b->keeping_.begin(), b->keeping_.end(), me));
-        --b->keepers_;
-      }
-    } const done{this, me};
-    return local_->move_out(a, bytes);
-  }
-
-  // A release on a thread in move_out_here: the bytes become pending moves' bytes, in both
-  // ledgers (nothing comes free at the coordinator). false: an ordinary release.
-  bool keep_pending(workload_id id, std::size_t bytes) {
-    std::lock_guard lock(pending_mutex_);
-    if (!pending_local_ || std::find(keeping_.begin(), keeping_.end(), std::this_thread::get_id()) == keeping_.end()) {
-      return false;
-    }
-    const auto remote = remote_of(id);
-    if (!remote) return false;  // alone now: as within one process
-    local_->transfer(id, *pending_local_, bytes);  // usage_error when it holds fewer: nothing sent
-    pending_bytes_ += bytes;
-    unsettled_ += bytes;
-    send_transfer(*remote, *pending_remote_, bytes);
-    return true;
-  }
-
-  // Up to `want` bytes of pending moves for workload `id` (`remote` at the coordinator).
-  std::size_t take_pending(workload_id id, workload_id remote, std::size_t want) {
-    std::lock_guard lock(pending_mutex_);
-    const std::size_t n = std::min(want, pending_bytes_);
-    if (n == 0) return 0;
-    local_->transfer(*pending_local_, id, n);
-    pending_bytes_ -= n;
-    unsettled_ = std::min(unsettled_, pending_bytes_);
-    send_transfer(*pending_remote_, remote, n);
-    return n;
-  }
-
-  // An acquire that took `n` bytes of pending moves and does not go through gives them back.
-  void return_pending(workload_id id, workload_id remote, std::size_t n) noexcept {
-    if (n == 0) return;
-    std::lock_guard lock(pending_mutex_);
-    try {
-      local_->transfer(id, *pending_local_, n);
-    } catch (...) {
-      return;
-    }
-    pending_bytes_ += n;
-    unsettled_ += n;  // at most: they may stand for moves still pending
-    send_transfer(remote, *pending_remote_, n);
-  }
-
-  void send_transfer(workload_id from, workload_id to, std::size_t bytes) noexcept {
-    try {
-      send_one_way(budget_wire::encode(budget_wire::transfer_request{from, to, bytes}, next_request()));
-    } catch (...) {
-      lose("out of memory");
-    }
-  }
-
-  // As a budget_member: the pending moves' bytes are the best victim of a move out that settles
-  // (a reclaim for another process), and of any once alone; a move out of this process for its
-  // own acquire takes them directly instead.
-  std::optional<budget_member::victim> offer_pending(const budget_member::ask& a) {
-    std::unique_lock lock(pending_mutex_, std::try_to_lock);
-    if (!lock.owns_lock() || pending_bytes_ == 0 || (online_ && !a.settle) || !(never_used > a.later_than)) {
-      return std::nullopt;
-    }
-    return budget_member::victim{never_used, pending_bytes_, 0};
-  }
-
-  // Gives the pending moves' bytes back; settling first (every member completes the moves it
-  // left pending) where they leave the process. What was added meanwhile stays (unsettled_).
-  std::size_t give_back_pending(const budget_member::ask& a) {
-    if (online_ && !a.settle) return 0;
-    if (a.settle) {
-      {
-        std::lock_guard lock(pending_mutex_);
-        unsettled_ = 0;  // from now on: bytes added after the settling began
-      }
-      try {
-        std::lock_guard lock(members_mutex_);
-        for (const auto& m : members_) m.second->settle_evictions();
-      } catch (...) {
-        std::lock_guard lock(pending_mutex_);
-        unsettled_ = pending_bytes_;
-        throw;
-      }
-    }
-    std::lock_guard lock(pending_mutex_);
-    const std::size_t n = pending_bytes_ - std::min(pending_bytes_, a.settle ? unsettled_ : std::size_t{0});
-    if (n == 0) return 0;
-    pending_bytes_ -= n;
-    unsettled_ = std::min(unsettled_, pending_bytes_);
-    local_->release(*pending_local_, n);
-    send_one_way(budget_wire::encode(budget_wire::release_request{*pending_remote_, n}, next_request()));
-    return n;
-  }
-
-  // The pending moves' workload as a budget_member of the local budget.
-  class pending_moves final : public budget_member {
-   public:
-    explicit pending_moves(coordinated_budget& owner) noexcept : owner_(&owner) {}
-    std::optional<victim> offer_victim(const ask& a) override { return owner_->offer_pending(a); }
-    std::size_t evict(const ask& a, allocation_id) override { return owner_->give_back_pending(a); }
-    /// Nothing of its own: the moves its bytes stand for settle in the members that made them.
-    void settle_evictions() override {}
-
-   private:
-    coordinated_budget* owner_;
-  };
 
   std::optional<budget_wire::to_workload> remote_acquire(workload_id remote, std::size_t bytes, bool wait,
                                                          std::uint32_t timeout_ms) {
@@ -664,9 +445,8 @@ class coordinated_budget {
         std::size_t freed = 0;
         try {
           const std::uint64_t ticket = r->from_waiters ? 1 : 0;
-          // Settled: bytes given back to the coordinator may go to another process at once, so
-          // a deferred offload must have freed its device memory. The pending moves' bytes go
-          // first (never used), after every member settled the moves it left pending.
+          // Settled (as every move_out here): bytes given back to the coordinator may go to
+          // another process at once, so a deferred offload must have freed its device memory.
           freed = local_->move_out(budget_member::ask{0, ticket, schedule_time::min(), true},
                                    static_cast<std::size_t>(r->bytes));
         } catch (const std::exception& e) {
@@ -726,20 +506,6 @@ class coordinated_budget {
   std::map<std::uint32_t, budget_wire::to_workload> answers_;
   std::mutex send_mutex_;
   std::thread reader_;
-  // Pending moves. Lock order: members_mutex_ (held while members settle), then a member's own
-  // lock; pending_mutex_, then mutex_, then send_mutex_ (pending_mutex_ is never held while a
-  // member is called).
-  pending_moves pending_member_{*this};
-  std::mutex pending_join_mutex_;  ///< one join of the pending moves' workload at a time
-  mutable std::mutex pending_mutex_;
-  std::optional<workload_id> pending_local_;   ///< its id in the local ledger (joined on first use)
-  std::optional<workload_id> pending_remote_;  ///< ... and in the coordinator's
-  std::size_t pending_bytes_ = 0;
-  std::size_t unsettled_ = 0;               ///< of pending_bytes_, at most these may stand for moves not settled
-  std::vector<std::thread::id> keeping_;    ///< threads in move_out_here
-  std::atomic<int> keepers_{0};
-  std::mutex members_mutex_;
-  std::vector<std::pair<workload_id, budget_member*>> members_;  ///< those that joined, to settle
 };
 
 static_assert(budget_service<coordinated_budget>);

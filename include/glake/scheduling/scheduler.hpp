@@ -163,7 +163,6 @@ class workload_scheduler final : public budget_member {
       id = static_cast<allocation_id>(slots_.size());
       slots_.push_back(slot{&memory, bytes, true, false, false});
       try {
-        evicted_pending_.reserve(slots_.size());  // evict never allocates
         by_address_.emplace(base, id);
         policy_.track(id, bytes);
       } catch (...) {
@@ -347,19 +346,6 @@ class workload_scheduler final : public budget_member {
     return evict_locked(a, id);
   }
 
-  /// Completes the offloads evict left pending (an ask that did not settle) and that no
-  /// prefetch has taken over since: their device memory is free (or was handed over) on return.
-  /// Its own prefetches stay pending. Waits for the scheduler's lock.
-  void settle_evictions() override {
-    if constexpr (deferring_tiered_memory<Memory>) {
-      std::lock_guard lock(mutex_);
-      for (allocation_id id : evicted_pending_) {
-        if (id < slots_.size() && slots_[id].alive && !slots_[id].on_device) slots_[id].memory->settle();
-      }
-      evicted_pending_.clear();
-    }
-  }
-
  private:
   // Under mutex_.
   std::size_t relieve_locked(std::size_t bytes) {
@@ -407,9 +393,6 @@ class workload_scheduler final : public budget_member {
           budget_.release(id_, s.bytes);
           throw;
         }
-      } else if (options_.moves == move_completion::deferred &&
-                 std::find(evicted_pending_.begin(), evicted_pending_.end(), id) == evicted_pending_.end()) {
-        evicted_pending_.push_back(id);  // within the room manage reserved
       }
     }
     budget_.release(id_, s.bytes);
@@ -597,7 +580,6 @@ class workload_scheduler final : public budget_member {
   std::map<std::uintptr_t, allocation_id> by_address_;
   std::vector<allocation_id> op_;  ///< the current operation's allocations (pinned)
   std::vector<allocation_id> deferred_;  ///< due prefetches not done yet (no room)
-  std::vector<allocation_id> evicted_pending_;  ///< offloads evict left pending (settle_evictions)
   std::uint64_t ticket_ = 0;       ///< its operation's wait for the budget (0: none)
   scheduler_statistics stats_;
 };

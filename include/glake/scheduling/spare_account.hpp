@@ -138,8 +138,6 @@ class spare_account final : public budget_member {
     if (bytes != 0) budget_.release(id_, bytes);
     return bytes;
   }
-  /// Nothing to do: an eviction releases the spares at once, never leaving them pending.
-  void settle_evictions() override {}
 
  private:
   bool try_lock() noexcept { return !busy_.exchange(true, std::memory_order_acquire); }
