@@ -218,11 +218,14 @@ def collect(process, log, result_file, k, phase, timeout):
     log.close()
     try:
         with open(result_file) as f:
-            return json.load(f)
+            result = json.load(f)
     except (OSError, ValueError):
         with open(result_file + ".log") as f:
             tail = f.read()[-1500:]
-        return {"workload": k, "phase": phase, "status": f"exit {process.returncode}", "error": tail}
+        result = {"workload": k, "phase": phase, "status": f"exit {process.returncode}", "error": tail}
+    # Progress as each process ends, so that a run stopped by a time limit still says how far it got.
+    print(f"share_budget: {phase} workload {k}: {result.get('status')}", file=sys.stderr, flush=True)
+    return result
 
 
 def run_phase(args, phase, allocator, work, socket=None, budget=0, stagger=0.0):
