@@ -8,7 +8,6 @@
 #include <array>
 #include <atomic>
 #include <chrono>
-#include <cstdarg>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -22,24 +21,19 @@
 #include <utility>
 #include <vector>
 
+#include "glake/adaptors/combined_peaks.hpp"
 #include "glake/adaptors/graph_pools.hpp"
 #include "glake/adaptors/pluggable_stats.hpp"
 #include "glake/adaptors/trace_recorder.hpp"
 #include "glake/allocators/concepts.hpp"
 #include "glake/allocators/device_registry.hpp"
 #include "glake/detail/accounting.hpp"
+#include "glake/detail/line_log.hpp"
 #include "glake/errors.hpp"
 #include "glake/memory_history.hpp"
 #include "glake/memory_state.hpp"
 #include "glake/statistics.hpp"
 #include "glake/stream.hpp"
-
-#if defined(__GNUC__)
-#define GLAKE_PRINTF_FORMAT(format_index, first_argument) \
-  __attribute__((format(printf, format_index, first_argument)))
-#else
-#define GLAKE_PRINTF_FORMAT(format_index, first_argument)
-#endif
 
 namespace glake {
 
@@ -83,7 +77,7 @@ struct no_device_scope {
 /// once more. While a device has pools, each free and record_stream there takes one mutex and
 /// one hash lookup more; without pools, one atomic load. Statistics: sums over the general
 /// allocator and the pools (those given back too), but the peak reserved is the highest sum seen
-/// (combined_peak): sampled after each pool allocation, each move back asked for here, each
+/// (combined_peaks.hpp): sampled after each pool allocation, each move back asked for here, each
 /// general allocation that added memory while the pools held some, and at each read. An
 /// observable_allocator says when it adds memory (segment_alloc, to an observer installed with
 /// the first pool), so its other allocations cost nothing more; another is sampled after every
@@ -124,7 +118,7 @@ class pluggable_allocator {
       if (self->history_on_.load(std::memory_order_relaxed)) self->note_free_requested(*s, p, bytes, stream);
     }
     void report(const std::string& message) noexcept {
-      self->error("glake: %s (device %d)", message.c_str(), s->device);
+      self->log_.error("glake: %s (device %d)", message.c_str(), s->device);
     }
   };
 
@@ -179,7 +173,7 @@ class pluggable_allocator {
       after_allocate(*s, p, bytes, stream);
       return p;
     } catch (const std::exception& e) {
-      log("glake: allocating %zu bytes on device %d, stream %#llx failed: %s", bytes, device,
+      log_.log("glake: allocating %zu bytes on device %d, stream %#llx failed: %s", bytes, device,
           static_cast<unsigned long long>(stream.id()), e.what());
       if (s != nullptr && s->trace) s->trace->failed(bytes, stream);
       if (s != nullptr && dynamic_cast<const std::bad_alloc*>(&e) != nullptr) {
@@ -187,7 +181,7 @@ class pluggable_allocator {
       }
       throw;
     } catch (...) {
-      log("glake: allocating %zu bytes on device %d failed: unknown exception", bytes, device);
+      log_.log("glake: allocating %zu bytes on device %d failed: unknown exception", bytes, device);
       throw;
     }
   }
@@ -200,7 +194,7 @@ class pluggable_allocator {
       DeviceScope scope(device);
       slot* s = registry_.find(device);
       if (s == nullptr) {
-        error("glake: free of %p (%zu bytes) on device %d, which has no glake allocator", p, bytes, device);
+        log_.error("glake: free of %p (%zu bytes) on device %d, which has no glake allocator", p, bytes, device);
         return;
       }
       if (s->pools.deallocate(p, bytes, stream)) return;
@@ -208,7 +202,7 @@ class pluggable_allocator {
       // Unchecked builds do not catch foreign pointers themselves; ask first. So does the
       // history, which must not show a free that did not happen.
       if ((!GLAKE_CHECKED || history) && !s->allocator->owns(p)) {
-        error("glake: free of %p (%zu bytes) on device %d, which is not a live allocation there", p, bytes, device);
+        log_.error("glake: free of %p (%zu bytes) on device %d, which is not a live allocation there", p, bytes, device);
         return;
       }
       if (s->trace) s->trace->freeing(p);
@@ -216,9 +210,9 @@ class pluggable_allocator {
       s->allocator->deallocate(p, bytes, stream);
       if (s->trace) s->trace->reserved(s->allocator->reserved_bytes());
     } catch (const std::exception& e) {
-      error("glake: free of %p (%zu bytes) on device %d failed: %s", p, bytes, device, e.what());
+      log_.error("glake: free of %p (%zu bytes) on device %d failed: %s", p, bytes, device, e.what());
     } catch (...) {
-      error("glake: free of %p on device %d failed: unknown exception", p, device);
+      log_.error("glake: free of %p on device %d failed: unknown exception", p, device);
     }
   }
 
@@ -241,9 +235,9 @@ class pluggable_allocator {
         };
         if (!s.pools.with_owner(p, record) && s.allocator->owns(p)) record(*s.allocator);
       });
-      if (!found) error("glake: record_stream of %p, which is not a live allocation of any device", p);
+      if (!found) log_.error("glake: record_stream of %p, which is not a live allocation of any device", p);
     } catch (const std::exception& e) {
-      error("glake: record_stream of %p failed: %s", p, e.what());
+      log_.error("glake: record_stream of %p failed: %s", p, e.what());
     }
   }
 
@@ -382,7 +376,7 @@ class pluggable_allocator {
       if (s->trace) s->trace->reserved(s->allocator->reserved_bytes());
       return released;
     } catch (const std::exception& e) {
-      error("glake: releasing %zu cached bytes on device %d failed: %s", bytes, device, e.what());
+      log_.error("glake: releasing %zu cached bytes on device %d failed: %s", bytes, device, e.what());
       return 0;
     }
   }
@@ -400,7 +394,7 @@ class pluggable_allocator {
       if (s->trace) s->trace->reserved(s->allocator->reserved_bytes());
       return released;
     } catch (const std::exception& e) {
-      error("glake: releasing %zu completed cached bytes on device %d failed: %s", bytes, device, e.what());
+      log_.error("glake: releasing %zu completed cached bytes on device %d failed: %s", bytes, device, e.what());
       return 0;
     }
   }
@@ -419,7 +413,7 @@ class pluggable_allocator {
       if (s.trace) s.trace->reserved(s.allocator->reserved_bytes());
       return true;
     } catch (const std::exception& e) {
-      error("glake: setting the memory limit of device %d to %zu bytes failed: %s", device, bytes, e.what());
+      log_.error("glake: setting the memory limit of device %d to %zu bytes failed: %s", device, bytes, e.what());
       return false;
     }
   }
@@ -430,9 +424,9 @@ class pluggable_allocator {
       statistics before = s.allocator->reset_peaks();
       const std::size_t general_peak = before.peak_reserved_bytes;
       s.pools.for_each([&](pool_id, Allocator& pool) { accumulate(before, pool.reset_peaks(), peak_rule::summed); });
-      slot::raise(s.lifetime_active, before.peak_active_bytes);
-      slot::raise(s.lifetime_reserved, combined_peak(s, general_peak, before));
-      s.combined_peak.store(s.allocator->reserved_bytes() + s.pools.reserved_bytes(), std::memory_order_relaxed);
+      s.peaks.reset(before.peak_active_bytes,
+                    s.peaks.peak(general_peak, before.peak_reserved_bytes, before.reserved_bytes),
+                    s.allocator->reserved_bytes() + s.pools.reserved_bytes());
     });
   }
 
@@ -448,15 +442,15 @@ class pluggable_allocator {
         DeviceScope scope(device);
         const statistics st = combined_stats(*s);
         std::size_t i = detail::write_statistics(st, v.data());
-        v[i++] = std::max<std::uint64_t>(s->lifetime_active.load(std::memory_order_relaxed), st.peak_active_bytes);
-        v[i++] = std::max<std::uint64_t>(s->lifetime_reserved.load(std::memory_order_relaxed), st.peak_reserved_bytes);
+        v[i++] = s->peaks.lifetime_active(st.peak_active_bytes);
+        v[i++] = s->peaks.lifetime_reserved(st.peak_reserved_bytes);
       }
     } catch (const usage_error&) {
       return 0;  // device id out of range
     } catch (const std::exception& e) {
-      error("glake: reading statistics of device %d failed: %s", device, e.what());
+      log_.error("glake: reading statistics of device %d failed: %s", device, e.what());
     }
-    v[pluggable_stat_names.size() - 1] = errors_.load(std::memory_order_relaxed);
+    v[pluggable_stat_names.size() - 1] = log_.errors();
     std::copy_n(v.begin(), std::min(capacity, v.size()), out);
     return v.size();
   }
@@ -477,7 +471,7 @@ class pluggable_allocator {
       s.pools.begin(pool, std::move(filter));
       return true;
     } catch (const std::exception& e) {
-      error("glake: beginning to allocate to pool (%llu, %llu) on device %d failed: %s",
+      log_.error("glake: beginning to allocate to pool (%llu, %llu) on device %d failed: %s",
             static_cast<unsigned long long>(pool.first), static_cast<unsigned long long>(pool.second), device,
             e.what());
       return false;
@@ -536,7 +530,7 @@ class pluggable_allocator {
       return true;
     } catch (const std::exception& e) {
       history_on_.store(false, std::memory_order_relaxed);
-      error("glake: starting the memory history failed: %s", e.what());
+      log_.error("glake: starting the memory history failed: %s", e.what());
       return false;
     }
   }
@@ -575,7 +569,7 @@ class pluggable_allocator {
   }
 
   /// Failures that were logged and swallowed: bad frees, record_streams, releases, statistics.
-  std::uint64_t errors() const noexcept { return errors_.load(std::memory_order_relaxed); }
+  std::uint64_t errors() const noexcept { return log_.errors(); }
 
   /// The general allocator of `device` if it was made, else null.
   Allocator* find(int device) const {
@@ -628,23 +622,12 @@ class pluggable_allocator {
     std::unique_ptr<Allocator> allocator;
     std::unique_ptr<trace_recorder> trace;
     memory_history history;
-    // The highest peaks seen before the last reset_peak (the allocator's own restart there).
-    std::atomic<std::size_t> lifetime_active{0};
-    std::atomic<std::size_t> lifetime_reserved{0};
-    // The highest general + pools reserved sum sampled since reset_peak (see combined_peak).
-    std::atomic<std::size_t> combined_peak{0};
-    // The general allocator added memory while the pools held some: the next general
-    // allocation to return samples the sum (observable allocators; see on_general_event).
-    std::atomic<bool> grew{false};
+    // The general + pools peak reserved, and the peaks before the last reset_peak (the
+    // allocator's own restart there).
+    combined_peaks peaks;
     bool watched = false;  // the general allocator's observer watches for growth (history_mutex_)
     pools_type pools;  // CUDA graphs' private pools
     static_assert(!memory_retaining_allocator<Allocator> || graph_pooling<pools_type>);  // begin needs it
-
-    static void raise(std::atomic<std::size_t>& peak, std::size_t value) noexcept {
-      std::size_t seen = peak.load(std::memory_order_relaxed);
-      while (seen < value && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
-      }
-    }
   };
 
   std::unique_ptr<slot> make_slot(int device) {
@@ -659,7 +642,7 @@ class pluggable_allocator {
                                           std::to_string(options_.pid));
         s->trace = std::make_unique<trace_recorder>(f, header);
       } else {
-        error("glake: cannot open trace file %s for device %d; not recording it", path.c_str(), device);
+        log_.error("glake: cannot open trace file %s for device %d; not recording it", path.c_str(), device);
       }
     }
     std::lock_guard guard(history_mutex_);
@@ -679,7 +662,7 @@ class pluggable_allocator {
       if (s == nullptr) return;
       f(s->pools);
     } catch (const std::exception& e) {
-      error("glake: %s on device %d failed: %s", what, device, e.what());
+      log_.error("glake: %s on device %d failed: %s", what, device, e.what());
     }
   }
 
@@ -687,27 +670,14 @@ class pluggable_allocator {
     statistics st = s.allocator->stats();
     const std::size_t general_peak = st.peak_reserved_bytes;
     s.pools.add_stats(st);
-    st.peak_reserved_bytes = combined_peak(s, general_peak, st);
+    st.peak_reserved_bytes = s.peaks.peak(general_peak, st.peak_reserved_bytes, st.reserved_bytes);
     return st;
   }
 
-  // General + pools peak reserved: the sum of their peaks would count memory twice when the peaks
-  // came apart (a model's load, a graph's capture); so the highest of the general peak, the sums
-  // sampled while pools held memory, and the sum now. Without pools: the general peak, exact.
-  static std::size_t combined_peak(const slot& s, std::size_t general_peak, const statistics& summed) noexcept {
-    if (summed.peak_reserved_bytes == general_peak) return general_peak;  // no pool held memory
-    return std::min(summed.peak_reserved_bytes,
-                    std::max({general_peak, s.combined_peak.load(std::memory_order_relaxed), summed.reserved_bytes}));
-  }
-
-  // While the pools hold memory: raises the slot's combined peak to general + pools now (one
-  // call to the general allocator, under its lock).
+  // While the pools hold memory: raises the combined peak to general + pools now (one call to
+  // the general allocator, under its lock).
   static void sample_combined(slot& s) noexcept {
-    if (const std::size_t pools = s.pools.reserved_bytes(); pools != 0) {
-      try {
-        slot::raise(s.combined_peak, s.allocator->reserved_bytes() + pools);
-      } catch (...) {}  // a lock that failed: the sample is lost, the peak stays a lower bound
-    }
+    s.peaks.sample(s.pools.reserved_bytes(), [&] { return s.allocator->reserved_bytes(); });
   }
 
   // ------------------------------------------------------------------ history
@@ -736,9 +706,7 @@ class pluggable_allocator {
   // growth while the pools hold memory (called under the allocator's lock: a flag, not a sample).
   static void on_general_event(void* context, const memory_event& e) noexcept {
     auto* s = static_cast<slot*>(context);
-    if (e.action == memory_action::segment_alloc && s->pools.reserved_bytes() != 0) {
-      s->grew.store(true, std::memory_order_relaxed);
-    }
+    if (e.action == memory_action::segment_alloc) s->peaks.note_growth(s->pools.reserved_bytes());
     if (s->owner->history_on_.load(std::memory_order_relaxed)) on_event(context, e);
   }
 
@@ -776,7 +744,7 @@ class pluggable_allocator {
   // did not); another may have, whenever the pools hold memory.
   static bool general_grew([[maybe_unused]] slot& s) noexcept {
     if constexpr (observable_allocator<Allocator>) {
-      return s.grew.load(std::memory_order_relaxed) && s.grew.exchange(false, std::memory_order_relaxed);
+      return s.peaks.take_growth();
     } else {
       return true;
     }
@@ -790,7 +758,7 @@ class pluggable_allocator {
     try {
       if (s.trace) s.trace->allocated(p, bytes, stream, s.allocator->reserved_bytes());
     } catch (const std::exception& e) {
-      error("glake: bookkeeping after allocating %p failed: %s", p, e.what());
+      log_.error("glake: bookkeeping after allocating %p failed: %s", p, e.what());
     }
   }
 
@@ -801,7 +769,7 @@ class pluggable_allocator {
         DeviceScope scope(d);
         f(s);
       } catch (const std::exception& e) {
-        error("glake: %s on device %d failed: %s", what, d, e.what());
+        log_.error("glake: %s on device %d failed: %s", what, d, e.what());
       }
     };
     try {
@@ -811,44 +779,13 @@ class pluggable_allocator {
         one(device, *s);
       }
     } catch (const std::exception& e) {
-      error("glake: %s on device %d failed: %s", what, device, e.what());
+      log_.error("glake: %s on device %d failed: %s", what, device, e.what());
     }
-  }
-
-  void vlog(const char* format, std::va_list args) const noexcept {
-    if (options_.log == nullptr) return;
-    // One line, written with one call, so lines from several threads do not interleave.
-    char line[1024];
-    const int n = std::vsnprintf(line, sizeof line - 1, format, args);
-    if (n < 0) return;
-    std::size_t length = std::min(static_cast<std::size_t>(n), sizeof line - 2);
-    for (std::size_t i = 0; i < length; ++i) {
-      if (line[i] == '\n') line[i] = ' ';
-    }
-    line[length++] = '\n';
-    std::fwrite(line, 1, length, options_.log);
-    std::fflush(options_.log);
-  }
-
-  GLAKE_PRINTF_FORMAT(2, 3) void log(const char* format, ...) const noexcept {
-    std::va_list args;
-    va_start(args, format);
-    vlog(format, args);
-    va_end(args);
-  }
-
-  /// Logs and counts a failure that is swallowed.
-  GLAKE_PRINTF_FORMAT(2, 3) void error(const char* format, ...) noexcept {
-    errors_.fetch_add(1, std::memory_order_relaxed);
-    std::va_list args;
-    va_start(args, format);
-    vlog(format, args);
-    va_end(args);
   }
 
   options options_;
   factory make_;
-  std::atomic<std::uint64_t> errors_{0};
+  detail::line_log log_{options_.log};
   std::atomic<bool> history_on_{false};
   std::mutex history_mutex_;            // serialises starting and stopping the history
   std::size_t history_capacity_ = 0;    // under history_mutex_
