@@ -18,6 +18,7 @@
 #include "glake/scheduling/budget.hpp"
 #include "glake/scheduling/lru_policy.hpp"
 #include "glake/scheduling/scheduler.hpp"
+#include "support/deferred_schedule.hpp"
 #include "support/evented_reserver.hpp"
 #include "support/stamp.hpp"
 #include "support/step_clock.hpp"
@@ -147,67 +148,44 @@ TEST_CASE("allocation_memory: a workload_scheduler keeps allocator blocks within
 }
 
 TEST_CASE("allocation_memory: a scheduler with deferred moves never waits on its stream but for what it uses") {
-  sim_device gpu(256 * M, 2 * M, 256 * M);
-  testing::event_log log;
-  evented_alloc a{sim_provider(gpu), testing::evented_reserver(gpu, log)};
-  a.attach_far_memory(sim_host_provider(gpu), sim_copier(gpu));
-  using memory = allocation_memory<evented_alloc>;
-  const stream_ref work{std::uintptr_t{1}};
-  const std::vector<std::size_t> sizes = {16 * M, 8 * M, 12 * M, 16 * M, 8 * M, 12 * M};  // 72 MiB
-  std::vector<void*> blocks;
-  std::vector<std::unique_ptr<memory>> memories;
-  for (std::size_t s : sizes) {
-    blocks.push_back(a.allocate(s, work));
-    memories.push_back(std::make_unique<memory>(a, blocks.back(), s));
-  }
-  const std::size_t budget_bytes = 40 * M;
-  {
-    shared_budget budget(budget_bytes);
-    step_clock clock;
-    scheduler_options options;
-    options.stream = work;
-    options.moves = move_completion::deferred;
-    workload_scheduler<memory, lru_policy, step_clock> w(budget, "tensors", lru_policy{}, options, clock);
-    std::vector<allocation_id> ids;
-    for (auto& m : memories) ids.push_back(w.manage(*m));
-    log.complete(work);
-    const std::size_t waits_before = log.waited;
-    const scheduler_statistics stats_before = w.stats();
-    for (int iteration = 0; iteration < 3; ++iteration) {
-      w.iteration_begin();
-      for (std::size_t k = 0; k < ids.size(); ++k) {
-        const std::size_t waits = log.waited;
-        const allocation_id use[] = {ids[k], ids[(k + 1) % ids.size()]};
-        w.will_use(std::span<const allocation_id>(use));
-        // What the operation uses is in place: no move of it is pending.
-        for (void* p : {blocks[k], blocks[(k + 1) % ids.size()]}) {
-          CHECK(a.residence_of(p) == residence::device);
-          CHECK(a.movable_bytes(p) > 0);  // 0 while a move of it is pending
-        }
-        // Waits, if any, were for the moves of what it uses (one each at most).
-        CHECK(log.waited - waits <= 2);
-        CHECK(budget.used() <= budget_bytes);
-        log.complete(work);  // the queued work (and copies) ran
-        clock.ns->fetch_add(100'000);
+  testing::deferred_schedule f;
+  auto& gpu = f.gpu;
+  auto& log = f.log;
+  auto& a = f.a;
+  auto& w = f.w;
+  const auto& ids = f.ids;
+  const auto& blocks = f.blocks;
+  log.complete(f.work);
+  const std::size_t waits_before = log.waited;
+  const scheduler_statistics stats_before = w.stats();
+  for (int iteration = 0; iteration < 3; ++iteration) {
+    w.iteration_begin();
+    for (std::size_t k = 0; k < ids.size(); ++k) {
+      const std::size_t waits = log.waited;
+      const allocation_id use[] = {ids[k], ids[(k + 1) % ids.size()]};
+      w.will_use(std::span<const allocation_id>(use));
+      // What the operation uses is in place: no move of it is pending.
+      for (void* p : {blocks[k], blocks[(k + 1) % ids.size()]}) {
+        CHECK(a.residence_of(p) == residence::device);
+        CHECK(a.movable_bytes(p) > 0);  // 0 while a move of it is pending
       }
+      // Waits, if any, were for the moves of what it uses (one each at most).
+      CHECK(log.waited - waits <= 2);
+      CHECK(f.budget.used() <= f.budget_bytes);
+      log.complete(f.work);  // the queued work (and copies) ran
+      f.clock.ns->fetch_add(100'000);
     }
-    // Offloads never waited; only what an operation fetched on demand, right before its use.
-    CHECK(w.stats().offloads > stats_before.offloads);
-    CHECK(log.waited - waits_before <= w.stats().demand_fetches - stats_before.demand_fetches);
-    // Whatever is still pending completes, as before an optimizer step that uses everything.
-    w.settle();
-    CHECK(a.complete_moves(true) == 0);
-    for (std::size_t i = 0; i < blocks.size(); ++i) CHECK(w.residence_of(ids[i]) == a.residence_of(blocks[i]));
-    w.idle();
-    for (allocation_id id : ids) w.unmanage(id);
   }
-  a.complete_moves(true);
+  // Offloads never waited; only what an operation fetched on demand, right before its use.
+  CHECK(w.stats().offloads > stats_before.offloads);
+  CHECK(log.waited - waits_before <= w.stats().demand_fetches - stats_before.demand_fetches);
+  // Whatever is still pending completes, as before an optimizer step that uses everything.
+  w.settle();
+  CHECK(a.complete_moves(true) == 0);
+  for (std::size_t i = 0; i < blocks.size(); ++i) CHECK(w.residence_of(ids[i]) == a.residence_of(blocks[i]));
+  f.unmanage_all();
   CHECK(gpu.physical_bytes() + gpu.host_bytes() >= 72 * M);
-  for (std::size_t i = 0; i < blocks.size(); ++i) {
-    if (a.residence_of(blocks[i]) == residence::host) a.prefetch(blocks[i], work);
-    a.deallocate(blocks[i], sizes[i], work);
-  }
-  a.verify();
+  f.free_all();
   CHECK(gpu.violations() == 0);
 }
 

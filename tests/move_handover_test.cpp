@@ -27,6 +27,7 @@
 #include "glake/scheduling/budget.hpp"
 #include "glake/scheduling/lru_policy.hpp"
 #include "glake/scheduling/scheduler.hpp"
+#include "support/deferred_schedule.hpp"
 #include "support/evented_reserver.hpp"
 #include "support/step_clock.hpp"
 
@@ -209,65 +210,42 @@ TEST_CASE("move handover: handles of sizes not wanted are released, a prefetch o
 }
 
 TEST_CASE("move handover: a scheduler with deferred moves keeps the device's own count within its budget") {
-  sim_device gpu(256 * M, 2 * M, 256 * M);
-  testing::event_log log;
-  evented_alloc a{sim_provider(gpu), testing::evented_reserver(gpu, log)};
-  a.attach_far_memory(sim_host_provider(gpu), sim_copier(gpu));
-  using memory = allocation_memory<evented_alloc>;
-  const stream_ref work{std::uintptr_t{1}};
-  const std::vector<std::size_t> sizes = {16 * M, 8 * M, 12 * M, 16 * M, 8 * M, 12 * M};  // 72 MiB
-  std::vector<void*> blocks;
-  std::vector<std::unique_ptr<memory>> memories;
-  for (std::size_t n : sizes) {
-    blocks.push_back(a.allocate(n, work));
-    memories.push_back(std::make_unique<memory>(a, blocks.back(), n));
-  }
-  const std::size_t budget_bytes = 40 * M;
-  {
-    shared_budget budget(budget_bytes);
-    step_clock clock;
-    scheduler_options options;
-    options.stream = work;
-    options.moves = move_completion::deferred;
-    workload_scheduler<memory, lru_policy, step_clock> w(budget, "tensors", lru_policy{}, options, clock);
-    std::vector<allocation_id> ids;
-    for (auto& m : memories) ids.push_back(w.manage(*m));
-    const auto step = [&](std::size_t k) {
-      const allocation_id use[] = {ids[k], ids[(k + 1) % ids.size()]};
-      w.will_use(std::span<const allocation_id>(use));
-      log.complete(work);  // the queued work (and copies) ran
-      clock.ns->fetch_add(100'000);
-    };
-    for (std::size_t k = 0; k < ids.size(); ++k) step(k);
-    a.complete_moves(true);
-    a.release_cached();
-    REQUIRE(gpu.physical_bytes() <= budget_bytes);
-    a.set_memory_limit(budget_bytes);  // the device serves no byte beyond the budget
-    const statistics before = a.stats();
-    for (int iteration = 0; iteration < 3; ++iteration) {
-      for (std::size_t k = 0; k < ids.size(); ++k) {
-        step(k);
-        CHECK(gpu.physical_bytes() <= budget_bytes);
-        a.verify();  // the device's count agrees with the accounting, pending moves included
-      }
-    }
-    const statistics after = a.stats();
-    CHECK(after.prefetches.moves > before.prefetches.moves);
-    CHECK(after.prefetches.handed_over > before.prefetches.handed_over);
-    CHECK(after.prefetches.handles_made == before.prefetches.handles_made);  // every one handed over
-    CHECK(after.offloads.handed_over - before.offloads.handed_over ==
-          after.prefetches.handed_over - before.prefetches.handed_over);
-    w.settle();
-    w.idle();
-    for (allocation_id id : ids) w.unmanage(id);
-  }
+  testing::deferred_schedule f;
+  auto& gpu = f.gpu;
+  auto& log = f.log;
+  auto& a = f.a;
+  const stream_ref work = f.work;
+  const auto& ids = f.ids;
+  const std::size_t budget_bytes = f.budget_bytes;
+  const auto step = [&](std::size_t k) {
+    const allocation_id use[] = {ids[k], ids[(k + 1) % ids.size()]};
+    f.w.will_use(std::span<const allocation_id>(use));
+    log.complete(work);  // the queued work (and copies) ran
+    f.clock.ns->fetch_add(100'000);
+  };
+  for (std::size_t k = 0; k < ids.size(); ++k) step(k);
   a.complete_moves(true);
-  a.set_memory_limit(0);
-  for (std::size_t i = 0; i < blocks.size(); ++i) {
-    if (a.residence_of(blocks[i]) == residence::host) a.prefetch(blocks[i], work);
-    a.deallocate(blocks[i], sizes[i], work);
+  a.release_cached();
+  REQUIRE(gpu.physical_bytes() <= budget_bytes);
+  a.set_memory_limit(budget_bytes);  // the device serves no byte beyond the budget
+  const statistics before = a.stats();
+  for (int iteration = 0; iteration < 3; ++iteration) {
+    for (std::size_t k = 0; k < ids.size(); ++k) {
+      step(k);
+      CHECK(gpu.physical_bytes() <= budget_bytes);
+      a.verify();  // the device's count agrees with the accounting, pending moves included
+    }
   }
-  a.verify();
+  const statistics after = a.stats();
+  CHECK(after.prefetches.moves > before.prefetches.moves);
+  CHECK(after.prefetches.handed_over > before.prefetches.handed_over);
+  CHECK(after.prefetches.handles_made == before.prefetches.handles_made);  // every one handed over
+  CHECK(after.offloads.handed_over - before.offloads.handed_over ==
+        after.prefetches.handed_over - before.prefetches.handed_over);
+  f.w.settle();
+  f.unmanage_all();
+  a.set_memory_limit(0);
+  f.free_all();
   a.release_cached();
   CHECK(gpu.physical_bytes() == 0);
   CHECK(gpu.violations() == 0);
