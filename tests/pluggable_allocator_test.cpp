@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -395,6 +396,50 @@ TEST_CASE("pluggable_allocator: the trace of several threads is one consistent r
   CHECK(reserved == static_cast<long long>(s.reserved_bytes));
   CHECK(reserved == 0);
   CHECK(read_lines(dir.path + "/trace.dev1").size() == 2 + 4);  // two header lines, S, a, f, U
+}
+
+TEST_CASE("pluggable_allocator: a record_stream'd free is traced where its memory became reusable") {
+  // Over a backend with events: the free waits for stream B's work, so its `f` line must come
+  // when the allocator finished it, not at the call, or a replay would reuse it too early.
+  using evented_stitching =
+      stitching_allocator<sim_provider, testing::evented_reserver, best_fit_tail_stitching, lru_eviction, mutex_lock>;
+  using plugin_type = pluggable_allocator<evented_stitching>;
+  temp_dir dir;
+  sim_device device(1 * GiB);
+  testing::event_log events;
+  auto factory = [&](int) {
+    return std::make_unique<evented_stitching>(sim_provider{device}, testing::evented_reserver{device, events}, config{});
+  };
+  const stream_ref A{1}, B{2};
+  std::vector<std::string> at_free;
+  {
+    plugin_type plugin(factory, options_for<plugin_type>(nullptr, dir.path + "/trace"));
+    void* p = plugin.allocate(8 * MiB, 0, A);
+    void* q = plugin.allocate(8 * MiB, 0, A);
+    REQUIRE((p != nullptr && q != nullptr));
+    plugin.record_stream(p, B);
+    plugin.deallocate(p, 8 * MiB, 0, A);  // deferred: B's event has not completed
+    plugin.deallocate(q, 8 * MiB, 0, A);  // at once
+    plugin.flush_traces();
+    at_free = read_lines(dir.path + "/trace");
+    events.complete(B);
+    void* r = plugin.allocate(8 * MiB, 0, A);  // finishes the deferred free first
+    REQUIRE(r != nullptr);
+    plugin.deallocate(r, 8 * MiB, 0, A);
+    plugin.flush_traces();
+  }
+  const auto lines = read_lines(dir.path + "/trace");
+  std::vector<std::string> requests;  // without the header and the S/U lines
+  for (const auto& line : lines) {
+    if (line.rfind("# glake", 0) == 0 || line.rfind("# settings", 0) == 0 || line[0] == 'S' || line[0] == 'U') continue;
+    requests.push_back(line);
+  }
+  CHECK(requests == std::vector<std::string>{"a,0,8388608,1", "a,1,8388608,1", "# record_stream 0 2", "# deferred free 0",
+                                             "f,1", "f,0", "a,2,8388608,1", "f,2"});
+  // At the deferred free's call, only the comment was written: no `f,0` yet.
+  CHECK(std::count(at_free.begin(), at_free.end(), "# deferred free 0") == 1);
+  CHECK(std::count(at_free.begin(), at_free.end(), "f,0") == 0);
+  CHECK(std::count(at_free.begin(), at_free.end(), "f,1") == 1);
 }
 
 // ------------------------------------------------------------------ memory history

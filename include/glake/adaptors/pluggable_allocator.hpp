@@ -66,7 +66,9 @@ struct no_device_scope {
 /// nothing. Peaks can be reset (reset_peak, the allocator's reset_peaks); the lifetime peaks stay
 /// readable (the highest of the peaks before each reset and the current one). When
 /// `trace_pattern` is set, each device's requests are written to trace_file_name(pattern,
-/// device, pid, rank) by a trace_recorder (requests served by private pools are left out).
+/// device, pid, rank) by a trace_recorder (requests served by private pools are left out); for an
+/// observable_allocator a free is written when its memory is reusable (free_completed), which
+/// for a record_stream'd free is a later call.
 ///
 /// Private pools (CUDA graphs; for a memory_retaining_allocator): each device's graph_pools
 /// (adaptors/graph_pools.hpp has the state machine), whose allocators the same factory makes.
@@ -205,10 +207,14 @@ class pluggable_allocator {
         log_.error("glake: free of %p (%zu bytes) on device %d, which is not a live allocation there", p, bytes, device);
         return;
       }
-      if (s->trace) s->trace->freeing(p);
+      // An observable allocator says when the memory is reusable (trace_free); else it is now.
+      if (s->trace && !observable_allocator<Allocator>) s->trace->freeing(p);
       if (history) note_free_requested(*s, p, bytes, stream);
       s->allocator->deallocate(p, bytes, stream);
-      if (s->trace) s->trace->reserved(s->allocator->reserved_bytes());
+      if (s->trace) {
+        if constexpr (observable_allocator<Allocator>) s->trace->deferred(p);  // still live: deferred
+        s->trace->reserved(s->allocator->reserved_bytes());
+      }
     } catch (const std::exception& e) {
       log_.error("glake: free of %p (%zu bytes) on device %d failed: %s", p, bytes, device, e.what());
     } catch (...) {
@@ -233,7 +239,10 @@ class pluggable_allocator {
             (void)owner;
           }
         };
-        if (!s.pools.with_owner(p, record) && s.allocator->owns(p)) record(*s.allocator);
+        if (!s.pools.with_owner(p, record) && s.allocator->owns(p)) {
+          record(*s.allocator);
+          if (s.trace) s.trace->recorded_stream(p, stream);
+        }
       });
       if (!found) log_.error("glake: record_stream of %p, which is not a live allocation of any device", p);
     } catch (const std::exception& e) {
@@ -646,10 +655,8 @@ class pluggable_allocator {
       }
     }
     std::lock_guard guard(history_mutex_);
-    if (history_on_.load(std::memory_order_relaxed)) {
-      s->history.reset(history_capacity_);
-      observe_general(*s);
-    }
+    if (history_on_.load(std::memory_order_relaxed)) s->history.reset(history_capacity_);
+    if (history_on_.load(std::memory_order_relaxed) || s->trace) observe_general(*s);
     return s;
   }
 
@@ -702,11 +709,14 @@ class pluggable_allocator {
     auto* s = static_cast<slot*>(context);
     s->history.record(history_entry{e.action, e.address, e.size, e.stream, now_us(), s->device});
   }
-  // The general allocator's observer: the history's entries while it records, and, once watched,
-  // growth while the pools hold memory (called under the allocator's lock: a flag, not a sample).
+  // The general allocator's observer: the history's entries while it records, the trace's frees
+  // when their memory is reusable, and, once watched, growth while the pools hold memory (called
+  // under the allocator's lock: a flag, not a sample; the trace's own lock is taken inside it
+  // and never held while calling the allocator).
   static void on_general_event(void* context, const memory_event& e) noexcept {
     auto* s = static_cast<slot*>(context);
     if (e.action == memory_action::segment_alloc) s->peaks.note_growth(s->pools.reserved_bytes());
+    if (e.action == memory_action::free_completed && s->trace) s->trace->freeing(reinterpret_cast<const void*>(e.address));
     if (s->owner->history_on_.load(std::memory_order_relaxed)) on_event(context, e);
   }
 
@@ -717,7 +727,7 @@ class pluggable_allocator {
   // device has had pools.
   void observe_general([[maybe_unused]] slot& s) {
     if constexpr (observable_allocator<Allocator>) {
-      const bool on = s.watched || history_on_.load(std::memory_order_relaxed);
+      const bool on = s.watched || s.trace != nullptr || history_on_.load(std::memory_order_relaxed);
       s.allocator->set_memory_observer(on ? &on_general_event : nullptr, &s);
     }
   }

@@ -23,6 +23,13 @@ namespace glake {
 /// Streams are numbered in order of first use, the null stream being 0; ids count from 0.
 /// Failed requests and frees of unknown pointers become `#` comments, which readers skip.
 ///
+/// The `f` line goes where the memory became reusable: the adaptor calls `freeing` when the
+/// allocator says so (for a free that waits for other streams' work, PyTorch's record_stream,
+/// that is a later call), so a replay, whose frees all complete at once, meets the same free
+/// memory. Such a free's request is written as `# deferred free <id>` (`deferred`), and each
+/// record_stream as `# record_stream <id> <stream>` (`recorded_stream`), for readers that count
+/// them.
+///
 /// Thread safety: every member may be called from any thread (one mutex). Write failures are
 /// reported once through `log` and end the recording; nothing here throws.
 class trace_recorder {
@@ -55,7 +62,8 @@ class trace_recorder {
     }
   }
 
-  /// `p` is about to be returned. Call before deallocating, so that no allocation that reuses the
+  /// `p`'s memory is reusable: call before the allocator can hand it out again (before
+  /// deallocating, or from its free_completed event), so that no allocation that reuses the
   /// address can be written before this free.
   void freeing(const void* p) noexcept {
     std::lock_guard guard(mutex_);
@@ -67,6 +75,29 @@ class trace_recorder {
     }
     std::fprintf(out_, "f,%llu\n", static_cast<unsigned long long>(it->second));
     ids_.erase(it);
+  }
+
+  /// `p`'s free was asked for but its memory is not reusable yet (freeing comes later): a comment,
+  /// when `p` is still live in this trace.
+  void deferred(const void* p) noexcept {
+    std::lock_guard guard(mutex_);
+    if (out_ == nullptr) return;
+    const auto it = ids_.find(reinterpret_cast<std::uintptr_t>(p));
+    if (it != ids_.end()) std::fprintf(out_, "# deferred free %llu\n", static_cast<unsigned long long>(it->second));
+  }
+
+  /// The live allocation at `p` is also used by work on `stream` (a comment).
+  void recorded_stream(const void* p, stream_ref stream) noexcept {
+    std::lock_guard guard(mutex_);
+    if (out_ == nullptr) return;
+    try {
+      const auto it = ids_.find(reinterpret_cast<std::uintptr_t>(p));
+      if (it != ids_.end()) {
+        std::fprintf(out_, "# record_stream %llu %u\n", static_cast<unsigned long long>(it->second), number_of(stream));
+      }
+    } catch (...) {
+      fail_locked();
+    }
   }
 
   /// The allocator now reserves `reserved` bytes (after a free or a release of cached memory).
