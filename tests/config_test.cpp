@@ -72,6 +72,7 @@ TEST_CASE("config: the defaults are valid and follow GMLake") {
   CHECK_FALSE(c.grow_stitch);
   CHECK(c.stitch_reserve == 2.0);
   CHECK(c.event_interval_us == 1000);
+  CHECK_FALSE(c.stream_join);
 }
 
 TEST_CASE("config: validate names the first broken rule and the value") {
@@ -181,7 +182,7 @@ TEST_CASE("config: apply sets every kind of setting") {
   const config c = applied(
       "stitching:false, frag_limit:64MiB, reuse_limit:2.5, defrag_level:2, auto_gc:8GiB,"
       "grow_stitch:true, small_limit:512KiB, small_segment:4MiB, round_to:1024, chunk_size:2MiB,"
-      "memory_limit:70GiB, min_handles:2, event_interval_us:5000");
+      "memory_limit:70GiB, min_handles:2, event_interval_us:5000, stream_join:1");
   CHECK_FALSE(c.stitching);
   CHECK(c.frag_limit == 64 * MiB);
   CHECK(c.reuse_limit == 2.5);
@@ -195,6 +196,7 @@ TEST_CASE("config: apply sets every kind of setting") {
   CHECK(c.memory_limit == 70 * GiB);
   CHECK(c.min_handles == 2);
   CHECK(c.event_interval_us == 5000);
+  CHECK(c.stream_join);
 }
 
 TEST_CASE("config: apply tolerates whitespace, empty entries and repeats") {
@@ -292,7 +294,7 @@ TEST_CASE("config: structural errors in the text say what is wrong") {
   for (const char* key :
        {"stitching", "frag_limit", "reuse_limit", "defrag_level", "auto_gc", "grow_stitch",
         "small_limit", "small_segment", "round_to", "chunk_size", "max_handle", "min_handles",
-        "memory_limit", "stitch_reserve", "event_interval_us"}) {
+        "memory_limit", "stitch_reserve", "event_interval_us", "stream_join"}) {
     CAPTURE(key);
     CHECK(contains(unknown, key));
   }
@@ -348,10 +350,12 @@ TEST_CASE("config: to_string parses back to an equal config") {
   c.memory_limit = (std::size_t{5} << 40) + 4096;
   c.stitch_reserve = 1.25;
   c.event_interval_us = 250;
+  c.stream_join = true;
   c.validate();
   const auto text = c.to_string();
   CAPTURE(text);
   CHECK(applied(text.c_str()) == c);
+  CHECK(contains(text, "stream_join:true"));
   CHECK(contains(text, "auto_gc:3145732KiB"));
   CHECK(contains(text, "frag_limit:12345,"));
 

@@ -288,6 +288,7 @@ TEST_CASE("pluggable_allocator: statistics in the order of the names, resettable
   CHECK(s.at("driver_map_ns") > 0);
   CHECK(s.at("driver_unmap_ns") == 0);  // nothing unmapped yet
   CHECK(s.at("device_waits") == direct.device_waits);
+  CHECK(s.at("stream_joins") == direct.stream_joins);
   CHECK(s.at("events_recorded") == direct.events_recorded);
   CHECK(s.at("event_queries") == direct.event_queries);
   CHECK(s.at("event_ns") == direct.event_ns);

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <utility>
 #include <vector>
 
 #include "glake/backends/sim.hpp"
@@ -307,4 +308,103 @@ TEST_CASE("stream adoption: merge_across_streams merges free neighbours of diffe
   // Nothing to merge: no synchronize.
   CHECK_FALSE(evented_adoption.merge_across_streams(arena, evented, [&](block_type* b) { merged.push_back(b); }));
   CHECK(log.device_synchronized == 1);
+}
+
+namespace {
+// Clocks over a joining reserver, streams A, B, C entered, and one 32 MiB segment of B freed on
+// B (mark 1, its event pending).
+struct joinable_pending {
+  sim_device device{1 * GiB};
+  testing::event_log log;
+  testing::joining_reserver reserver{device, log};
+  statistics stats;
+  using events = detail::counted_events<testing::joining_reserver>;
+  using clocks_type = detail::stream_clocks<events>;
+  clocks_type clocks{events{reserver, stats}, 0};
+  arena_type arena;
+  fake_segment s;
+  block_type* pending = nullptr;
+
+  joinable_pending() {
+    s.mapping.base = 0x100000000;
+    s.mapping.size = 32 * M;
+    clocks.enter(A);
+    clocks.enter(B);
+    clocks.enter(C);
+    block_type* b = arena.add_segment(&s, s.mapping.base, 32 * M, B);
+    block_type* live = arena.take(b, 16 * M);
+    arena.give_back(live, clocks.mark_free(B));
+    clocks.tick(B);
+    pending = arena.find(s.mapping.base);
+  }
+};
+static_assert(joinable_pending::clocks_type::can_join);
+static_assert(!plain_clocks::can_join);
+}  // namespace
+
+TEST_CASE("stream adoption: with joins, the request's stream waits on the other stream's event and takes its pending block") {
+  joinable_pending f;
+  detail::stream_adoption<arena_type, joinable_pending::clocks_type> adoption(16, 8, true);
+  moves m;
+  CHECK(adoption.wait_for_other_streams(f.arena, f.clocks, 24 * M, A, false, all_whole));
+  REQUIRE(f.log.joins.size() == 1);
+  CHECK(f.log.joins[0] == std::pair{A, B});
+  CHECK(f.log.waited == 0);
+  CHECK(f.stats.stream_joins == 1);
+  CHECK(f.stats.device_waits == 0);
+  CHECK_FALSE(f.clocks.completed(B, 1));  // B's work is not known done ...
+  CHECK(f.clocks.usable(B, 1, A));        // ... but A is ordered after it
+  CHECK_FALSE(f.clocks.usable(B, 1, C));  // C is not
+
+  CHECK(adoption.adopt(f.arena, f.clocks, 24 * M, A, false, all_whole, m.callback()));
+  REQUIRE(m.count == 1);
+  CHECK(m.bytes == 32 * M);
+  CHECK(f.pending->stream == A);
+  // A's now, marked with A's next free: a third stream waits for A's next event.
+  CHECK(f.pending->free_mark == 1);
+  CHECK_FALSE(f.clocks.completed(A, f.pending->free_mark));
+  CHECK_FALSE(f.clocks.usable(B, 1, A));  // the join ended with the request
+  CHECK_FALSE(adoption.adopt(f.arena, f.clocks, 8 * M, C, false, all_whole, m.callback()));
+  CHECK(m.count == 1);
+}
+
+TEST_CASE("stream adoption: a join that fails leaves the block where it was, for the host to wait for") {
+  joinable_pending f;
+  detail::stream_adoption<arena_type, joinable_pending::clocks_type> adoption(16, 8, true);
+  f.log.fail_joins = true;
+  f.clocks.clear_wanted();
+  for (auto& c : f.clocks) {
+    if (c.stream == B) c.wanted = 1;
+  }
+  CHECK(f.clocks.join_wanted(A));  // a mark is left for the host
+  CHECK(f.stats.stream_joins == 0);
+  CHECK_FALSE(f.clocks.usable(B, 1, A));
+  moves m;
+  CHECK_FALSE(adoption.adopt(f.arena, f.clocks, 8 * M, A, false, all_whole, m.callback()));
+  CHECK(f.pending->stream == B);
+  CHECK(f.pending->free_mark == 1);
+
+  // Through the adoption: the host waits instead, then the block moves.
+  CHECK(adoption.wait_for_other_streams(f.arena, f.clocks, 8 * M, A, false, all_whole));
+  CHECK(f.log.joins.empty());
+  CHECK(f.log.waited == 1);
+  CHECK(f.stats.device_waits == 1);
+  CHECK(adoption.adopt(f.arena, f.clocks, 8 * M, A, false, all_whole, m.callback()));
+  CHECK(f.pending->stream == A);
+  CHECK(f.pending->free_mark == 0);  // its work done: A's like any completed block
+}
+
+TEST_CASE("stream adoption: without the option, or while the stream captures, the host waits") {
+  joinable_pending f;
+  detail::stream_adoption<arena_type, joinable_pending::clocks_type> off(16, 8, false);
+  CHECK(off.wait_for_other_streams(f.arena, f.clocks, 8 * M, A, false, all_whole));
+  CHECK(f.log.joins.empty());
+  CHECK(f.log.waited == 1);
+
+  joinable_pending g;
+  detail::stream_adoption<arena_type, joinable_pending::clocks_type> on(16, 8, true);
+  g.device.begin_capture(A);
+  CHECK(on.wait_for_other_streams(g.arena, g.clocks, 8 * M, A, false, all_whole));
+  CHECK(g.log.joins.empty());
+  CHECK(g.log.waited == 1);
 }

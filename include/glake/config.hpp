@@ -82,6 +82,13 @@ struct config {
                                          ///< sooner than this many microseconds after it: one
                                          ///< event covers many frees (0: one per call that
                                          ///< freed; each record and query is a driver call)
+  bool stream_join = false;              ///< on backends whose streams wait for events
+                                         ///< (stream_joining_reserver), a request that other
+                                         ///< streams' pending frees would serve makes its
+                                         ///< stream wait on their events on the device and
+                                         ///< takes those blocks now, instead of the host
+                                         ///< waiting (docs/streams.md); as cudaMallocAsync's
+                                         ///< internal dependencies
 
   /// Throws config_error naming the first setting that is out of range and why.
   void validate() const;
@@ -153,6 +160,7 @@ void for_each_config_field(Config& c, Visitor&& visit) {
   visit(std::string_view{"stitch_reserve"}, c.stitch_reserve);
   visit(std::string_view{"segment_reserve"}, c.segment_reserve);
   visit(std::string_view{"event_interval_us"}, c.event_interval_us);
+  visit(std::string_view{"stream_join"}, c.stream_join);
 }
 
 /// The fewest significant digits that read back as the same value (17 always do), without an

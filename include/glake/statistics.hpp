@@ -114,6 +114,9 @@ struct statistics {
   std::uint64_t device_waits = 0;        ///< times the host waited for the device (a device
                                          ///< synchronize or an event wait) before reusing or
                                          ///< releasing memory
+  std::uint64_t stream_joins = 0;        ///< times a stream was made to wait on another's
+                                         ///< event on the device to take its pending free
+                                         ///< blocks (config::stream_join), the host not waiting
   std::uint64_t events_recorded = 0;     ///< events recorded on streams to learn when frees,
                                          ///< record_stream uses or cached ranges' work complete
   std::uint64_t event_queries = 0;       ///< those events asked whether they have completed
@@ -178,6 +181,7 @@ constexpr void for_each_statistic(A& a, B& b, F&& f) {
   f(k::count, a.stitch_evictions, b.stitch_evictions);
   f(k::count, a.cross_stream_bytes, b.cross_stream_bytes);
   f(k::count, a.device_waits, b.device_waits);
+  f(k::count, a.stream_joins, b.stream_joins);
   f(k::count, a.events_recorded, b.events_recorded);
   f(k::count, a.event_queries, b.event_queries);
   f(k::count, a.event_ns, b.event_ns);

@@ -1069,7 +1069,7 @@ statistics device_statistics(int device) {
   for (std::uint64_t* field : {&st.allocations, &st.deallocations, &st.failed_allocations, &st.splits, &st.merges,
                                &st.segments_created, &st.segments_released, &st.stitches, &st.stitch_cache_hits,
                                &st.stitch_repairs, &st.stitch_grows, &st.stitch_evictions, &st.cross_stream_bytes,
-                               &st.device_waits, &st.events_recorded, &st.event_queries, &st.event_ns}) {
+                               &st.device_waits, &st.stream_joins, &st.events_recorded, &st.event_queries, &st.event_ns}) {
     *field = v[i++];
   }
   st.spare_bytes = static_cast<std::size_t>(v[i++]);

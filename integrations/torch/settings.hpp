@@ -32,10 +32,13 @@ inline constexpr std::pair<const char*, const char*> default_variables[] = {
 /// 16 MiB falls to 0.978, below the 0.98 glake keeps). Cached stitches are repaired by free
 /// handles of the same size and grow by whole handles. docs/handles.md and bench/results/replay.md
 /// ("Key findings") have the measurements; `max_handle:0` restores 2 MiB handles.
-/// Streams' events at most every 20 ms, not every 1 ms: under FSDP2 (rank 0 of two on the fake
-/// process group, one H100) the 1 ms default recorded and queried ~180 events per step, ~1.2 ms
-/// of host time; 20 ms leaves ~22 and ~0.24 ms, with the same memory and driver calls
-/// (docs/streams.md, docs/experiments.md). `event_interval_us:1000` restores the library's.
+/// Streams join (stream_join) and their events come at most every 200 us: a request takes another
+/// stream's free block whose work is still queued by making its stream wait for that work on the
+/// device, so what a rank holds no longer depends on how far the GPU lags. Under FSDP2 on four
+/// H200s per-rank utilization went from 0.902-0.994 to 0.983-0.990, every rank within 1% of its
+/// trace's replay, for 410-860 events (2-4 ms of host time) a step; with events every 1 ms
+/// (~250 a step) some ranks stayed at 0.93-0.95 (docs/streams.md, bench/results/finetune.md).
+/// `stream_join:false,event_interval_us:20000` restores the earlier behaviour.
 /// Segments grow in place (segment_reserve, clamped to the device's memory, as
 /// expandable_segments reserves): the tail of a block's last handle starts the next request;
 /// T5-base's replayed peak 13.74 to 13.37 GB (bench/results/replay.md). `segment_reserve:0`
@@ -44,7 +47,8 @@ inline config default_base() {
   config c;
   c.max_handle = 8 * MiB;
   c.segment_reserve = 256 * GiB;
-  c.event_interval_us = 20'000;
+  c.stream_join = true;
+  c.event_interval_us = 200;
   return c;
 }
 

@@ -24,6 +24,7 @@ struct event_log {
   std::size_t recycled = 0;
   std::size_t queried = 0;
   bool fail_queries = false;  // event_done throws, as a CUDA error would
+  bool fail_joins = false;    // stream_wait_event throws, as a CUDA error would
   std::vector<std::pair<stream_ref, stream_ref>> joins;  // (waiting stream, stream of the event)
 
   void complete(stream_ref stream) {
@@ -71,6 +72,7 @@ class joining_reserver : public evented_reserver {
  public:
   joining_reserver(sim_device& device, event_log& log) : evented_reserver(device, log), log_(&log) {}
   void stream_wait_event(stream_ref stream, event_type e) {
+    if (log_->fail_joins) throw driver_error("cuStreamWaitEvent", 999, "injected");
     log_->joins.emplace_back(stream, log_->events.at(e).first);
   }
 

@@ -180,7 +180,8 @@ inline config glake_config() {
   cfg.reuse_limit = 2.0;
   cfg.max_handle = 8 * MiB;
   cfg.segment_reserve = 256 * GiB;  // at most the device's memory: a stream's segment grows in place
-  cfg.event_interval_us = 20'000;  // the plug-in's; the simulated backend has no events
+  cfg.stream_join = true;  // the plug-in's; the simulated backend has no events, so neither acts here
+  cfg.event_interval_us = 200;
   return cfg;
 }
 

@@ -19,10 +19,16 @@ TEST_CASE("plug-in settings: the defaults are glake-replay's glake configuration
   CHECK(torch_plugin::settings_from(getenv) == replay::glake_config());
   CHECK(torch_plugin::settings_from(getenv) != config{});  // not just the library's defaults
   CHECK(torch_plugin::settings_from(getenv).max_handle == 8 * MiB);  // glake's own default
-  CHECK(torch_plugin::settings_from(getenv).event_interval_us == 20'000);  // and the events'
+  CHECK(torch_plugin::settings_from(getenv).event_interval_us == 200);  // and the events'
+  CHECK(torch_plugin::settings_from(getenv).stream_join);                // and joins
 
   env["GLAKE_ALLOC_CONF"] = "max_handle:0";  // 2 MiB handles only, as the library's default
   CHECK(torch_plugin::settings_from(getenv).max_handle == 0);
+  CHECK(torch_plugin::settings_from(getenv).stream_join);  // the rest stay
+  env["GLAKE_ALLOC_CONF"] = "stream_join:0,event_interval_us:20000";  // the earlier behaviour
+  CHECK_FALSE(torch_plugin::settings_from(getenv).stream_join);
+  CHECK(torch_plugin::settings_from(getenv).event_interval_us == 20'000);
+  CHECK(torch_plugin::settings_from(getenv).max_handle == 8 * MiB);  // the rest stay
   env["GLAKE_ALLOC_CONF"] = "max_handle:5000";  // and a bad value is still refused
   CHECK_THROWS_WITH_AS(torch_plugin::settings_from(getenv), doctest::Contains("max_handle"), config_error);
   env.erase("GLAKE_ALLOC_CONF");

@@ -14,13 +14,13 @@ namespace glake {
 /// The names of the values pluggable_allocator::stats writes, in order: the fields of
 /// `statistics`, its driver calls by kind, the host nanoseconds spent in them by kind, what
 /// offloads and prefetches cost (move_costs, in its order), then the adaptor's own.
-inline constexpr std::array<std::string_view, 56> pluggable_stat_names = {
+inline constexpr std::array<std::string_view, 57> pluggable_stat_names = {
     "active_bytes",        "peak_active_bytes",   "allocated_bytes",     "peak_allocated_bytes",
     "reserved_bytes",      "peak_reserved_bytes", "cached_stitch_bytes", "offloaded_bytes",     "allocations",
     "deallocations",       "failed_allocations",  "splits",              "merges",
     "segments_created",    "segments_released",   "stitches",            "stitch_cache_hits",
     "stitch_repairs",      "stitch_grows",        "stitch_evictions",    "cross_stream_bytes",
-    "device_waits",        "events_recorded",     "event_queries",       "event_ns",
+    "device_waits",        "stream_joins",        "events_recorded",     "event_queries",       "event_ns",
     "spare_bytes",         "recycled_handles",
     "driver_create",       "driver_release",      "driver_reserve",      "driver_address_free",
     "driver_map",          "driver_unmap",        "driver_set_access",
@@ -45,10 +45,10 @@ inline constexpr void read_move_costs(move_costs& m, const std::uint64_t* in) no
                                              &m.handles_reused, &m.handed_over,  &m.host_ns};
   for (std::size_t k = 0; k < move_cost_values; ++k) *fields[k] = in[k];
 }
-// The names after the 27 plain statistics are the driver calls in the order of `driver_call`,
+// The names after the 28 plain statistics are the driver calls in the order of `driver_call`,
 // then the same with "_ns": the time spent in them.
 constexpr bool driver_call_names_match() {
-  constexpr std::size_t plain = 27;
+  constexpr std::size_t plain = 28;
   for (std::size_t k = 0; k < driver_call_kinds; ++k) {
     const std::string_view kind = to_string(static_cast<driver_call>(k));
     const std::string_view count = pluggable_stat_names[plain + k];
@@ -72,7 +72,7 @@ inline std::size_t write_statistics(const statistics& st, std::uint64_t* out) no
         std::uint64_t{st.offloaded_bytes}, st.allocations, st.deallocations, st.failed_allocations, st.splits,
         st.merges, st.segments_created, st.segments_released, st.stitches, st.stitch_cache_hits,
         st.stitch_repairs, st.stitch_grows, st.stitch_evictions, st.cross_stream_bytes, st.device_waits,
-        st.events_recorded, st.event_queries, st.event_ns, std::uint64_t{st.spare_bytes},
+        st.stream_joins, st.events_recorded, st.event_queries, st.event_ns, std::uint64_t{st.spare_bytes},
         st.recycled_handles}) {
     out[i++] = value;
   }

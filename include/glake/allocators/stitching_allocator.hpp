@@ -719,7 +719,7 @@ stitching_allocator<Provider, Reserver, Stitch, Evict, Lock, Admission, Growth>:
       pool_(std::move(provider), std::move(reserver), config_, counters_),
       clocks_(make_events(), config_.event_interval_us),
       stitcher_(make_stitcher()),
-      adoption_(max_candidates, max_reuse_probes),
+      adoption_(max_candidates, max_reuse_probes, config_.stream_join),
       release_(pool_, clocks_, adoption_, stitcher_, &mover_),
       ladder_(pool_, clocks_, counters_, admission_, stitcher_, adoption_, release_, ladder_link{this},
               config_.large_round_to == 0

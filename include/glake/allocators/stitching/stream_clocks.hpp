@@ -45,12 +45,29 @@ class counted_events {
     }
   }
   void recycle(const event_type& e) noexcept { reserver_->recycle_event(e); }
-  /// Work queued on `stream` from now on waits for `e` (stream_joining_reserver only).
+  /// Work queued on `stream` from now on waits for `e` (stream_joining_reserver only). Throws
+  /// the backend's driver_error; counted in statistics::stream_joins when it went through.
   void join(stream_ref stream, const event_type& e)
     requires stream_joining_reserver<Reserver>
   {
-    const stopwatch watch{stats_->event_ns};
-    reserver_->stream_wait_event(stream, e);
+    {
+      const stopwatch watch{stats_->event_ns};
+      reserver_->stream_wait_event(stream, e);
+    }
+    ++stats_->stream_joins;
+  }
+  /// Whether `stream` may be capturing a graph: what the reserver says (capture_aware_reserver),
+  /// true when asking fails; false for a reserver that cannot tell.
+  bool may_be_capturing([[maybe_unused]] stream_ref stream) const noexcept {
+    if constexpr (capture_aware_reserver<Reserver>) {
+      try {
+        return reserver_->is_capturing(stream);
+      } catch (...) {
+        return true;
+      }
+    } else {
+      return false;
+    }
   }
   /// The only places the host blocks on the device; each counts in statistics::device_waits.
   void wait(const event_type& e) noexcept {
@@ -90,6 +107,9 @@ struct events_of<Reserver, true> {
 /// one is in flight, so one event covers many frees and a stream's events are queried at most
 /// once per interval. Without events every mark is 0 and every free has completed.
 ///
+/// With joins (config::stream_join), a stream may instead wait on another's event on the device
+/// (join_wanted): the marks that event covers are then usable by it for the current request.
+///
 /// Complexity: O(streams) to find a clock, O(1) amortised per event. Thread safety: none (the
 /// allocator serialises access). Never waits except in `synchronize_all` and `wait_for_wanted`.
 template <class Events>
@@ -106,7 +126,12 @@ class stream_clocks {
     std::chrono::steady_clock::time_point recorded{};  ///< of the newest event
     std::deque<std::pair<std::uint64_t, event_type>> in_flight;
     std::uint64_t wanted = 0;  ///< scratch: the newest mark a waiter needs
+    std::uint64_t joined = 0;  ///< scratch: marks up to this are ordered before the joiner's
+                               ///< stream by a join during the current request
   };
+
+  /// Whether Events can make one stream wait for another's event on the device.
+  static constexpr bool can_join = requires(Events& e, stream_ref s, const event_type& ev) { e.join(s, ev); };
 
   stream_clocks(Events events, int interval_us) : events_(events), interval_us_(interval_us) {}
 
@@ -208,6 +233,97 @@ class stream_clocks {
     for (clock& c : clocks_) c.wanted = 0;
   }
 
+  /// Whether a free on `stream` marked `mark` may be used now by work queued on `user`: its work
+  /// has completed, or `user` joined an event covering it during this request (join_wanted).
+  bool usable(stream_ref stream, std::uint64_t mark, [[maybe_unused]] stream_ref user) noexcept {
+    if constexpr (has_events) {
+      const clock* c = find(stream);
+      return c != nullptr && (mark <= c->done || (user == joiner_ && mark <= c->joined));
+    } else {
+      return true;
+    }
+  }
+  /// Whether the free marked `mark` on `stream` is usable by `user` only through a join.
+  bool only_joined(stream_ref stream, std::uint64_t mark, stream_ref user) noexcept {
+    return !completed(stream, mark) && usable(stream, mark, user);
+  }
+
+  /// Whether an event in flight on `stream` covers the free marked `mark` (a join could order it
+  /// before another stream's work), or it has completed.
+  bool joinable([[maybe_unused]] stream_ref stream, [[maybe_unused]] std::uint64_t mark) noexcept {
+    if constexpr (has_events) {
+      const clock* c = find(stream);
+      return c != nullptr && (mark <= c->done || (!c->in_flight.empty() && c->in_flight.back().first >= mark));
+    } else {
+      return true;
+    }
+  }
+
+  /// Makes the free marked `mark` on `stream` usable by `user` for this request: true when it is
+  /// already (usable), else `user` waits on the device for the oldest event in flight that
+  /// covers it (the least work that does). False when no event covers it or the join failed.
+  bool join_through([[maybe_unused]] stream_ref stream, [[maybe_unused]] std::uint64_t mark,
+                    [[maybe_unused]] stream_ref user) noexcept {
+    if (usable(stream, mark, user)) return true;
+    if constexpr (can_join) {
+      clock* c = find(stream);
+      if (c == nullptr) return false;
+      const auto it = std::find_if(c->in_flight.begin(), c->in_flight.end(),
+                                   [&](const auto& entry) { return entry.first >= mark; });
+      if (it == c->in_flight.end()) return false;
+      try {
+        events_.join(user, it->second);
+      } catch (...) {
+        return false;
+      }
+      if (joiner_ != user) {
+        for (clock& other : clocks_) other.joined = 0;
+        joiner_ = user;
+      }
+      c->joined = std::max(c->joined, it->first);
+      return true;
+    } else {
+      return false;
+    }
+  }
+
+  /// Ends the joins of the current request: later requests see completed marks only.
+  void clear_joined() noexcept {
+    if constexpr (has_events) {
+      for (clock& c : clocks_) c.joined = 0;
+      joiner_ = stream_ref{};
+    }
+  }
+
+  /// Makes `user` wait on the device, for each clock with a `wanted` mark, on the oldest event in
+  /// flight that covers it (the least work that does), without the host waiting; the marks up to
+  /// that event's become usable by `user` for this request (usable) and leave `wanted`. A mark
+  /// with no event yet (events are recorded only during a call on their own stream, which may be
+  /// gone), or whose join fails, keeps its `wanted` for wait_for_wanted. True when some `wanted`
+  /// mark is left. Only for Events that can join (can_join).
+  bool join_wanted([[maybe_unused]] stream_ref user) noexcept {
+    bool left = false;
+    if constexpr (can_join) {
+      joiner_ = user;
+      for (clock& c : clocks_) {
+        if (c.wanted == 0 || c.wanted <= c.done) continue;
+        const auto it = std::find_if(c.in_flight.begin(), c.in_flight.end(),
+                                     [&](const auto& entry) { return entry.first >= c.wanted; });
+        if (it != c.in_flight.end()) {
+          try {
+            events_.join(user, it->second);
+            c.joined = std::max(c.joined, it->first);
+            c.wanted = 0;
+            continue;
+          } catch (...) {
+          }
+        }
+        left = true;
+      }
+    }
+    return left;
+  }
+
   /// Waits until every clock's `wanted` mark has completed: for the events of just those
   /// streams, up to the newest mark needed on each, so the host blocks only until that work is
   /// done; synchronizes the device instead when a needed mark has no event yet.
@@ -253,6 +369,7 @@ class stream_clocks {
   int interval_us_;
   std::vector<clock> clocks_;  // every stream that has called the allocator
   stream_ref current_{};       // of the last call that entered
+  stream_ref joiner_{};        // the stream whose joins `joined` marks (join_wanted)
 };
 
 }  // namespace glake::detail
