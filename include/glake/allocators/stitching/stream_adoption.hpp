@@ -13,7 +13,10 @@ namespace glake::detail {
 
 /// Moves free blocks between the streams of a block_arena, by the completion marks of a
 /// stream_clocks: the best fit for a request when one completed block will do; else (`gather`)
-/// the largest completed blocks until their whole handles cover it. It can also wait for just
+/// the largest completed blocks until their whole handles cover it. With `join`, a block whose
+/// free an event in flight covers counts as completed: the request's stream waits for that event
+/// on the device when it takes the block (one join per stream when gathering, on the event
+/// covering the newest free taken), unless it may be capturing a graph. It can also wait for just
 /// the streams whose pending frees would cover a request, or with `join` (config::stream_join,
 /// on backends whose streams wait for events) make the request's stream wait for them on the
 /// device instead (stream_clocks::join_wanted), and merge the free neighbours that moves leave on
@@ -25,7 +28,8 @@ namespace glake::detail {
 /// bytes of whole handles in a free block (what a stitch can use); `moved(block_bytes,
 /// was_whole_segment, merged_block)` is told of each move.
 /// Complexity: best fit O(streams x (log n + probes)); gathering O(k log k) for k candidates
-/// (at most `max_candidates`). No heap allocation once constructed.
+/// (at most `max_candidates`), plus O(k^2) to find each stream's newest free when joining. No
+/// heap allocation once constructed.
 /// Thread safety: none (the allocator serialises access).
 template <class Arena, class Clocks>
 class stream_adoption {
