@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <string>
+#include <utility>
 
 #include "glake/backends/sim.hpp"
 #include "glake/detail/accounting.hpp"
@@ -90,6 +91,44 @@ TEST_CASE("segment pool: whole_handles_of gives the handles lying wholly inside 
   CHECK(whole.size == 0);  // [10, 16) holds no whole handle
   pool.arena().give_back(middle);
   pool.arena().give_back(live);
+}
+
+TEST_CASE("segment pool: whole_handles_of agrees with a walk over handles of several sizes") {
+  sim_device device(1 * GiB);
+  detail::usage_counters counters;
+  pool_type pool(sim_provider{device}, sim_reserver{device}, handles_up_to(8 * M, 1), counters);
+  auto* b = pool.add_segment(30 * M, A);  // handles of 8, 8, 8, 4 and 2 MiB
+  REQUIRE(b != nullptr);
+  const auto& m = b->segment->mapping;
+  REQUIRE(m.count == 5);
+  REQUIRE(m.slots[4].size == 2 * M);
+  // The first handle starting in the block (or its end), and the handles lying wholly inside it.
+  const auto walk = [&](const pool_type::block_type& x) {
+    const std::size_t begin = x.address - m.base, end = begin + x.size;
+    std::size_t first = end, size = 0;
+    for (std::size_t i = m.count; i-- > 0;) {
+      if (m.slots[i].offset >= begin) first = m.slots[i].offset;
+      if (m.slots[i].offset >= begin && m.slots[i].offset + m.slots[i].size <= end) size += m.slots[i].size;
+    }
+    return std::pair{first, size};
+  };
+  std::size_t compared = 0;
+  for (std::size_t cut = 0; cut < 30 * M; cut += M) {
+    for (std::size_t length = M; cut + length <= 30 * M; length += M) {
+      auto* whole = pool.arena().find(m.base);
+      REQUIRE(whole != nullptr);
+      auto* live = pool.arena().carve(whole, m.base + cut, length);
+      for (auto* x = pool.arena().find(m.base); x != nullptr; x = pool.arena().next(x)) {
+        const auto run = pool.whole_handles_of(*x);
+        CHECK(run.block == x);
+        CHECK(std::pair{run.offset, run.size} == walk(*x));
+        ++compared;
+      }
+      pool.arena().give_back(live);
+    }
+  }
+  CHECK(compared > 1000);
+  CHECK(pool.arena().blocks() == 1);
 }
 
 TEST_CASE("segment pool: the free queue holds exactly the fully free segments, in eviction order") {

@@ -262,13 +262,18 @@ class segment_pool {
   void requeue(segment* s) noexcept { free_.push(*s); }
   std::size_t free_segments() const noexcept { return free_.size(); }
 
+  /// O(log h) for h handles in b's segment: handles lie back to back, so the whole ones are the
+  /// run from the first starting in `b` to the last ending in it, found by two binary searches.
   whole_run whole_handles_of(block_type& b) const noexcept {
     const auto& m = b.segment->mapping;
     const std::size_t begin = b.address - m.base, end = begin + b.size;
-    std::size_t i = m.first_at_or_after(begin), size = 0;
-    const std::size_t first = i < m.count ? m.slots[i].offset : end;
-    for (; i < m.count && m.slots[i].offset + m.slots[i].size <= end; ++i) size += m.slots[i].size;
-    return whole_run{&b, first, size};
+    const std::size_t first = m.first_at_or_after(begin);
+    if (first == m.count) return whole_run{&b, end, 0};
+    // The handle before the first starting at or after `end` ends at or after `end`.
+    std::size_t last = m.first_at_or_after(end);
+    if (last > first && m.slots[last - 1].offset + m.slots[last - 1].size > end) --last;
+    const std::size_t size = last > first ? m.slots[last - 1].offset + m.slots[last - 1].size - m.slots[first].offset : 0;
+    return whole_run{&b, m.slots[first].offset, size};
   }
 
   std::size_t largest_free_block() const {
