@@ -387,7 +387,10 @@ class stitcher {
     });
     repair_.expect(size, s.reserved);
     if (repair_.needs_handles()) {
+      const std::size_t chunk = pool_->chunk();
       arena.for_each_free_largest_first(stream, [&](block_type& b) {
+        // Handles are whole chunks: from here on no block holds one (as in plan).
+        if (b.size < chunk) return false;
         const auto& m = b.segment->mapping;
         const std::size_t begin = b.address - m.base, stop = begin + b.size;
         for (std::size_t i = m.first_at_or_after(begin); i < m.count && m.slots[i].offset + m.slots[i].size <= stop; ++i) {
