@@ -92,6 +92,14 @@ TEST_CASE("sim_device rejects each broken rule in the calls that may throw") {
     f.provider.release(gone);
     CHECK(mentions(rejection([&] { f.reserver.try_map(range, g, gone); }), "unknown"));
   }
+  SUBCASE("map: the default handle, and a released one's id") {
+    CHECK(mentions(rejection([&] { f.reserver.try_map(range, 2 * g, sim_handle{}); }), "unknown"));
+    const sim_handle gone = f.create(g);
+    f.provider.release(gone);
+    CHECK_FALSE(f.device.is_host(gone).has_value());
+    CHECK(f.device.is_host(handle) == false);
+    CHECK(f.device.live_handles() == 1);
+  }
   SUBCASE("map: outside any reservation, or past the end of one") {
     std::byte* nowhere = range + 64 * g;
     CHECK(mentions(rejection([&] { f.reserver.try_map(nowhere, 2 * g, handle); }),

@@ -40,10 +40,13 @@ struct sim_location {
 // ---------------------------------------------------------------------------------------------
 // sim_device
 //
-// The state of one simulated GPU: live handles (id -> size and mapping count), reservations
-// (base -> size) and mappings (address -> handle, size, accessible), each in a std::map ordered by
-// key, so every call is O(log n) (set_access O(log n + k) over k mappings) and no call touches
-// bytes. Addresses are numbers from [2^44, 2^47), granularity-aligned; a new reservation is taken
+// The state of one simulated GPU: handles (id -> size, mapping count, live) in a vector indexed
+// by id, one entry per handle ever created, so a lookup is O(1) and ids are never reused;
+// reservations (base -> size) and mappings (address -> handle, size, accessible), each in a
+// std::map ordered by key, so every call is O(log n) (set_access O(log n + k) over k mappings)
+// and no call touches bytes. The simulator's own cost is part of what a replay measures per
+// operation (glake-replay's host_ns_per_operation), so its calls are kept to one search of each
+// map they need. Addresses are numbers from [2^44, 2^47), granularity-aligned; a new reservation is taken
 // first-fit from a cursor that moves forward and wraps, so a freed range is reused only after the
 // cursor has gone round, which keeps stale pointers from aliasing new ranges for as long as
 // possible, and a range is never handed out while any part of it is reserved.
@@ -83,8 +86,7 @@ class sim_device {
     ++calls_[driver_call::create];
     check_size("try_create", bytes);
     if (bytes > capacity_ - physical_bytes_) return std::nullopt;
-    const std::uint64_t id = next_handle_id_++;
-    handles_.emplace(id, handle_info{bytes, 0, false});
+    const std::uint64_t id = new_handle(bytes, false);
     physical_bytes_ += bytes;
     return sim_handle{id};
   }
@@ -96,8 +98,7 @@ class sim_device {
     ++calls_[driver_call::create];
     check_size("try_create_host", bytes);
     if (host_capacity_ != 0 && bytes > host_capacity_ - host_bytes_) return std::nullopt;
-    const std::uint64_t id = next_handle_id_++;
-    handles_.emplace(id, handle_info{bytes, 0, true});
+    const std::uint64_t id = new_handle(bytes, true);
     host_bytes_ += bytes;
     return sim_handle{id};
   }
@@ -105,18 +106,19 @@ class sim_device {
   void release(sim_handle handle) noexcept {
     std::lock_guard lock(mutex_);
     ++calls_[driver_call::release];
-    const auto it = handles_.find(handle.id);
-    if (it == handles_.end()) {
+    handle_info* const h = live_handle(handle.id);
+    if (h == nullptr) {
       return record("release: handle " + std::to_string(handle.id) +
                     " is unknown (never created, or already released)");
     }
-    if (it->second.mappings != 0) {
+    if (h->mappings != 0) {
       return record("release: handle " + std::to_string(handle.id) + " still has " +
-                    std::to_string(it->second.mappings) +
+                    std::to_string(h->mappings) +
                     " mapping(s) (a handle is released only when it has no mappings)");
     }
-    (it->second.host ? host_bytes_ : physical_bytes_) -= it->second.bytes;
-    handles_.erase(it);
+    (h->host ? host_bytes_ : physical_bytes_) -= h->bytes;
+    h->live = false;
+    --live_handles_;
   }
 
   /// Null when no free range of `bytes` is left in the simulated address space.
@@ -162,14 +164,14 @@ class sim_device {
     const std::uintptr_t address = to_address(at);
     check_address("try_map", address);
     check_size("try_map", bytes);
-    const auto h = handles_.find(handle.id);
-    if (h == handles_.end()) {
+    handle_info* const h = live_handle(handle.id);
+    if (h == nullptr) {
       reject("try_map: handle " + std::to_string(handle.id) +
              " is unknown (never created, or already released)");
     }
-    if (h->second.bytes != bytes) {
+    if (h->bytes != bytes) {
       reject("try_map: handle " + std::to_string(handle.id) + " has " +
-             std::to_string(h->second.bytes) + " bytes, not " + std::to_string(bytes) +
+             std::to_string(h->bytes) + " bytes, not " + std::to_string(bytes) +
              " (a handle is mapped whole)");
     }
     const auto r = reservations_.upper_bound(address);
@@ -177,12 +179,13 @@ class sim_device {
       reject("try_map: [" + hex(address) + ", +" + std::to_string(bytes) +
              ") is not inside one reservation (a mapping lies inside a reserved range)");
     }
-    if (const auto other = overlapping_mapping(address, bytes)) {
+    const auto after = mappings_.lower_bound(address);
+    if (const auto other = overlapping_mapping(after, address, bytes)) {
       reject("try_map: [" + hex(address) + ", +" + std::to_string(bytes) +
              ") overlaps the mapping at " + hex(*other) + " (mappings must not overlap)");
     }
-    mappings_.emplace(address, mapping_info{handle.id, bytes, false});
-    ++h->second.mappings;
+    mappings_.emplace_hint(after, address, mapping_info{handle.id, bytes, false});
+    ++h->mappings;
     return true;
   }
 
@@ -234,7 +237,7 @@ class sim_device {
                     std::to_string(it->second.bytes) + " bytes, not " + std::to_string(bytes) +
                     " (unmap takes exactly one mapping)");
     }
-    --handles_.at(it->second.handle).mappings;
+    --live_handle(it->second.handle)->mappings;  // a mapped handle is live (release checks)
     mappings_.erase(it);
   }
 
@@ -268,9 +271,9 @@ class sim_device {
   /// Whether the live handle `handle` is of the host tier; empty for an unknown handle.
   std::optional<bool> is_host(sim_handle handle) const {
     std::lock_guard lock(mutex_);
-    const auto it = handles_.find(handle.id);
-    if (it == handles_.end()) return std::nullopt;
-    return it->second.host;
+    const handle_info* const h = live_handle(handle.id);
+    if (h == nullptr) return std::nullopt;
+    return h->host;
   }
 
   /// A copy of `bytes` from `from` to `to` (sim_copier): both ranges must lie in accessible
@@ -305,7 +308,7 @@ class sim_device {
   }
   std::size_t live_handles() const {
     std::lock_guard lock(mutex_);
-    return handles_.size();
+    return live_handles_;
   }
   /// Virtual bytes in live reservations.
   std::size_t reserved_bytes() const {
@@ -354,6 +357,7 @@ class sim_device {
     std::size_t bytes;
     std::size_t mappings;
     bool host;
+    bool live;  ///< false once released: the entry stays, so that its id is never reused
   };
   struct mapping_info {
     std::uint64_t handle;
@@ -428,10 +432,25 @@ class sim_device {
     }
   }
 
-  // The start of a mapping that overlaps [address, address + bytes), if any.
-  std::optional<std::uintptr_t> overlapping_mapping(std::uintptr_t address,
-                                                    std::size_t bytes) const {
-    auto it = mappings_.lower_bound(address);
+  // Handle `id`'s entry (ids count from 1, one entry per handle ever created), or null when
+  // the handle is unknown or released. O(1).
+  handle_info* live_handle(std::uint64_t id) noexcept {
+    if (id == 0 || id > handles_.size() || !handles_[id - 1].live) return nullptr;
+    return &handles_[id - 1];
+  }
+  const handle_info* live_handle(std::uint64_t id) const noexcept {
+    return const_cast<sim_device*>(this)->live_handle(id);
+  }
+  std::uint64_t new_handle(std::size_t bytes, bool host) {
+    handles_.push_back(handle_info{bytes, 0, host, true});
+    ++live_handles_;
+    return handles_.size();
+  }
+
+  // The start of a mapping that overlaps [address, address + bytes), if any; `it` is
+  // mappings_.lower_bound(address).
+  std::optional<std::uintptr_t> overlapping_mapping(std::map<std::uintptr_t, mapping_info>::const_iterator it,
+                                                    std::uintptr_t address, std::size_t bytes) const {
     if (it != mappings_.end() && it->first - address < bytes) return it->first;
     if (it != mappings_.begin()) {
       --it;
@@ -479,9 +498,10 @@ class sim_device {
   std::uint64_t copies_ = 0;
   std::uint64_t copied_bytes_ = 0;
   std::size_t reserved_bytes_ = 0;
-  std::uint64_t next_handle_id_ = 1;
   std::uintptr_t next_address_ = address_base;
-  std::map<std::uint64_t, handle_info> handles_;
+  // Indexed by id - 1: O(1) lookups, at the cost of one entry per handle ever created.
+  std::vector<handle_info> handles_;
+  std::size_t live_handles_ = 0;
   std::map<std::uintptr_t, std::size_t> reservations_;
   std::map<std::uintptr_t, mapping_info> mappings_;
   driver_call_counts calls_{};
