@@ -346,7 +346,11 @@ class stitcher {
       for (block_type* b = arena.containing(begin); b != nullptr && b->address < end; b = arena.next(b)) {
         if (!b->free || b->stream != s.stream) {
           const std::size_t from = std::max(b->address, begin) - m.base, to = std::min(b->end(), end) - m.base;
-          for (std::size_t i = m.first_at_or_after(from + 1) - 1; i < m.count && m.slots[i].offset < to; ++i) {
+          // Blocks come in address order: one starting inside the handle counted last (often,
+          // when handles hold several blocks) continues from it without a search.
+          const bool in_counted = counted != m.count && from < m.slots[counted].offset + m.slots[counted].size;
+          for (std::size_t i = in_counted ? counted : m.first_at_or_after(from + 1) - 1;
+               i < m.count && m.slots[i].offset < to; ++i) {
             if (i != counted) missing += m.slots[i].size;
             counted = i;
           }
