@@ -232,3 +232,36 @@ TEST_CASE("driver_meter: each call is counted and timed under its kind, a throwi
   CHECK(meter.counts()[glake::driver_call::create] == 0);
   CHECK(meter.times()[glake::driver_call::create] == 0);
 }
+
+TEST_CASE("driver_meter: in a sequence each call is timed from the end of the one before") {
+  using namespace std::chrono_literals;
+  glake::detail::driver_meter meter;
+  const auto start = std::chrono::steady_clock::now();
+  {
+    const glake::detail::driver_meter::sequence calls(meter);
+    {
+      const glake::detail::driver_meter::sequence inner(meter);  // nested: changes nothing
+      meter(glake::driver_call::create, [] { std::this_thread::sleep_for(2ms); });
+    }
+    meter(glake::driver_call::map, [] { std::this_thread::sleep_for(3ms); });
+    CHECK_THROWS_AS(meter(glake::driver_call::set_access,
+                          []() -> int {
+                            std::this_thread::sleep_for(1ms);
+                            throw std::runtime_error("driver error");
+                          }),
+                    std::runtime_error);
+  }
+  const auto wall = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
+  CHECK(meter.counts().total() == 3);
+  CHECK(meter.times()[glake::driver_call::create] >= 2'000'000);
+  CHECK(meter.times()[glake::driver_call::map] >= 3'000'000);
+  CHECK(meter.times()[glake::driver_call::set_access] >= 1'000'000);
+  // Each call's time ends where the next one's starts: no time is counted twice.
+  CHECK(meter.times().total() <= static_cast<std::uint64_t>(wall.count()));
+
+  // After the sequence, a call is timed on its own again: sleeping before it does not count.
+  const std::uint64_t unmap_before = meter.times()[glake::driver_call::unmap];
+  std::this_thread::sleep_for(5ms);
+  meter(glake::driver_call::unmap, [] {});
+  CHECK(meter.times()[glake::driver_call::unmap] - unmap_before < 5'000'000);
+}

@@ -201,6 +201,7 @@ class vmm_backend {
       for (std::size_t i = mapped; i-- > first;) unmap(at(i), slots[i].size);
       for (std::size_t i = created; i-- > first;) release(slots[i].handle);
     };
+    const driver_meter::sequence calls(meter_);
     try {
       for (; created < count; ++created) {
         auto h = meter_(driver_call::create, [&] { return provider_.try_create(slots[created].size); });
@@ -247,6 +248,7 @@ class vmm_backend {
       if (base != nullptr) free_range(base, reserved);
       for (std::size_t i = created; i-- > 0;) release(slots[i].handle);
     };
+    const driver_meter::sequence calls(meter_);
     try {
       for (; created < count; ++created) {
         auto h = meter_(driver_call::create, [&] { return provider_.try_create(slots[created].size); });
@@ -372,6 +374,7 @@ class vmm_backend {
     std::size_t bytes = 0;
     for (const auto& h : handles) bytes += h.size;
     const std::size_t reserved = std::max(bytes, reserve);
+    const driver_meter::sequence calls(meter_);
     void* base = meter_(driver_call::reserve, [&] { return reserver_.try_reserve(reserved); });
     if (base == nullptr) return nullptr;
     std::size_t mapped = 0, offset = 0;
@@ -426,6 +429,7 @@ class vmm_backend {
     if (total > reserved) throw std::invalid_argument("glake: try_restitch: appended handles exceed the reservation");
 
     char* const at0 = static_cast<char*>(base);
+    const driver_meter::sequence calls(meter_);
     std::size_t applied = 0;  // changes [0, applied) map their new handle
     bool hole = false;        // change `applied` has unmapped the old handle, not mapped the new
     auto undo = [&]() noexcept {
