@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -204,6 +205,28 @@ TEST_CASE("vmm_backend: try_restitch replaces and appends handles within the res
   CHECK(device.live_mappings() == 0);
   CHECK(device.reserved_bytes() == 0);
   CHECK(device.violations() == 0);
+}
+
+TEST_CASE("mapped_segment::index_of: a hint naming the handle is taken, any other is replaced") {
+  constexpr std::size_t m = glake::MiB;
+  glake::detail::mapped_segment<glake::sim_handle> segment;
+  segment.count = 3;
+  segment.slots = std::make_unique<glake::detail::handle_slot<glake::sim_handle>[]>(3);
+  const std::size_t sizes[] = {2 * m, 4 * m, 2 * m};
+  for (std::size_t i = 0, offset = 0; i < 3; offset += sizes[i], ++i) {
+    segment.slots[i].offset = offset;
+    segment.slots[i].size = sizes[i];
+  }
+  std::size_t hint = 0;
+  CHECK(segment.index_of(2 * m, hint) == 1);  // searched
+  CHECK(hint == 1);
+  CHECK(segment.index_of(2 * m, hint) == 1);  // taken
+  hint = 2;                                   // names another handle
+  CHECK(segment.index_of(2 * m, hint) == 1);
+  hint = 7;                                   // past the end
+  CHECK(segment.index_of(6 * m, hint) == 2);
+  CHECK(hint == 2);
+  CHECK(segment.index_of(0, hint) == 0);
 }
 
 TEST_CASE("driver_meter: each call is counted and timed under its kind, a throwing one too") {

@@ -60,6 +60,12 @@ struct mapped_segment {
     }
     return lo;
   }
+  /// The index of the handle that starts at `offset` (one must): `hint` when it names that
+  /// handle, O(1); else found by first_at_or_after and stored in `hint` for the next call.
+  std::size_t index_of(std::size_t offset, std::size_t& hint) const noexcept {
+    if (hint >= count || slots[hint].offset != offset) hint = first_at_or_after(offset);
+    return hint;
+  }
 };
 
 /// No request above this can ever be mapped: no machine gives a process more address space

@@ -34,6 +34,8 @@ struct stitched_range : eviction_hook, stitch_address_hook, stitch_size_hook {
     std::size_t size;          ///< whole handles
     Block* claimed = nullptr;  ///< the live block holding (a prefix of) it while the range is live;
                                ///< the rest of its handles stays free in place
+    std::size_t first_slot = 0;  ///< where its first handle was last found in home's slots: a
+                                 ///< hint, checked on use (mapped_segment::index_of)
   };
 
   std::uintptr_t base = 0;

@@ -333,11 +333,11 @@ class stitcher {
   // its stream: each such handle counts whole, as it is replaced whole. Counting stops once
   // `cap` is reached (the result is then >= cap): the caller only compares it below a budget,
   // and a long range mostly in use would otherwise be walked block by block on every probe.
-  std::size_t missing_bytes(const range& s, std::size_t size,
+  std::size_t missing_bytes(range& s, std::size_t size,
                             std::size_t cap = std::numeric_limits<std::size_t>::max()) noexcept {
     auto& arena = pool_->arena();
     std::size_t need = size, missing = 0;
-    for (const piece& pc : s.pieces) {
+    for (piece& pc : s.pieces) {
       if (need == 0 || missing >= cap) break;
       const std::size_t take = std::min(pc.size, need);
       const auto& m = pc.home->mapping;
@@ -346,11 +346,18 @@ class stitcher {
       for (block_type* b = arena.containing(begin); b != nullptr && b->address < end; b = arena.next(b)) {
         if (!b->free || b->stream != s.stream) {
           const std::size_t from = std::max(b->address, begin) - m.base, to = std::min(b->end(), end) - m.base;
-          // Blocks come in address order: one starting inside the handle counted last (often,
-          // when handles hold several blocks) continues from it without a search.
-          const bool in_counted = counted != m.count && from < m.slots[counted].offset + m.slots[counted].size;
-          for (std::size_t i = in_counted ? counted : m.first_at_or_after(from + 1) - 1;
-               i < m.count && m.slots[i].offset < to; ++i) {
+          // The handle holding `from`, without a search where it can: blocks come in address
+          // order, so one starting inside the handle counted last (often, when handles hold
+          // several blocks) continues from it, and at the piece's start the hint names it.
+          std::size_t i = 0;
+          if (counted != m.count && from < m.slots[counted].offset + m.slots[counted].size) {
+            i = counted;
+          } else if (from == pc.offset) {
+            i = m.index_of(pc.offset, pc.first_slot);
+          } else {
+            i = m.first_at_or_after(from + 1) - 1;
+          }
+          for (; i < m.count && m.slots[i].offset < to; ++i) {
             if (i != counted) missing += m.slots[i].size;
             counted = i;
           }
