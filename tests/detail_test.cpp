@@ -1,6 +1,7 @@
 // The internal building blocks: the node pool, the block arena and the VMM backend's remapping.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -227,6 +228,29 @@ TEST_CASE("mapped_segment::index_of: a hint naming the handle is taken, any othe
   CHECK(segment.index_of(6 * m, hint) == 2);
   CHECK(hint == 2);
   CHECK(segment.index_of(0, hint) == 0);
+}
+
+TEST_CASE("mapped_segment::first_at_or_after: std::lower_bound's answer for every count and offset") {
+  constexpr std::size_t m = glake::MiB;
+  for (std::size_t count = 0; count <= 9; ++count) {
+    glake::detail::mapped_segment<glake::sim_handle> segment;
+    segment.count = count;
+    segment.slots = std::make_unique<glake::detail::handle_slot<glake::sim_handle>[]>(count + 1);
+    std::vector<std::size_t> offsets;
+    std::size_t offset = 0;
+    for (std::size_t i = 0; i < count; ++i) {
+      segment.slots[i].offset = offset;
+      segment.slots[i].size = (i % 3 + 1) * 2 * m;  // handles of differing sizes
+      offsets.push_back(offset);
+      offset += segment.slots[i].size;
+    }
+    for (std::size_t probe = 0; probe <= offset + 2 * m; probe += m / 2) {
+      const auto expected = static_cast<std::size_t>(std::lower_bound(offsets.begin(), offsets.end(), probe) - offsets.begin());
+      CAPTURE(count);
+      CAPTURE(probe);
+      CHECK(segment.first_at_or_after(probe) == expected);
+    }
+  }
 }
 
 TEST_CASE("driver_meter: each call is counted and timed under its kind, a throwing one too") {

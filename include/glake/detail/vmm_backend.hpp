@@ -47,18 +47,18 @@ struct mapped_segment {
   std::size_t room() const noexcept { return reserved > size ? reserved - size : 0; }
 
   std::size_t chunks() const noexcept { return count; }
-  /// The index of the first handle that starts at or after `offset`.
+  /// The index of the first handle that starts at or after `offset`. O(log count), without a
+  /// data-dependent branch (the halving step compiles to a conditional move): the stitching
+  /// allocator searches its segments' handles on most slow-path requests.
   std::size_t first_at_or_after(std::size_t offset) const noexcept {
-    std::size_t lo = 0, hi = count;
-    while (lo < hi) {
-      const std::size_t mid = (lo + hi) / 2;
-      if (slots[mid].offset < offset) {
-        lo = mid + 1;
-      } else {
-        hi = mid;
-      }
+    if (count == 0) return 0;
+    const handle_slot<Handle>* first = slots.get();
+    for (std::size_t n = count; n > 1;) {
+      const std::size_t half = n / 2;
+      first = first[half].offset < offset ? first + half : first;
+      n -= half;
     }
-    return lo;
+    return static_cast<std::size_t>(first - slots.get()) + (first->offset < offset ? 1 : 0);
   }
   /// The index of the handle that starts at `offset` (one must): `hint` when it names that
   /// handle, O(1); else found by first_at_or_after and stored in `hint` for the next call.
