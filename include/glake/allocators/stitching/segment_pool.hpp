@@ -263,12 +263,15 @@ class segment_pool {
   std::size_t free_segments() const noexcept { return free_.size(); }
 
   /// O(log h) for h handles in b's segment: handles lie back to back, so the whole ones are the
-  /// run from the first starting in `b` to the last ending in it, found by two binary searches.
+  /// run from the first starting in `b` to the last ending in it, found by two binary searches
+  /// (one when the first does not end in `b`).
   whole_run whole_handles_of(block_type& b) const noexcept {
     const auto& m = b.segment->mapping;
     const std::size_t begin = b.address - m.base, end = begin + b.size;
     const std::size_t first = m.first_at_or_after(begin);
     if (first == m.count) return whole_run{&b, end, 0};
+    // Most free blocks a stitch plan looks at hold no whole handle: one search tells.
+    if (m.slots[first].offset + m.slots[first].size > end) return whole_run{&b, m.slots[first].offset, 0};
     // The handle before the first starting at or after `end` ends at or after `end`.
     std::size_t last = m.first_at_or_after(end);
     if (last > first && m.slots[last - 1].offset + m.slots[last - 1].size > end) --last;
