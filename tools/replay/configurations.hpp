@@ -178,6 +178,7 @@ inline config glake_config() {
   cfg.frag_limit = 2 * MiB;
   cfg.grow_stitch = true;
   cfg.reuse_limit = 2.0;
+  cfg.small_limit = 256 * KiB;  // a small segment holds at least eight small requests
   cfg.max_handle = 8 * MiB;
   cfg.segment_reserve = 256 * GiB;  // at most the device's memory: a stream's segment grows in place
   cfg.stream_join = true;  // the plug-in's; the simulated backend has no events, so neither acts here

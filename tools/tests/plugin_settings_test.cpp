@@ -21,6 +21,7 @@ TEST_CASE("plug-in settings: the defaults are glake-replay's glake configuration
   CHECK(torch_plugin::settings_from(getenv).max_handle == 8 * MiB);  // glake's own default
   CHECK(torch_plugin::settings_from(getenv).event_interval_us == 200);  // and the events'
   CHECK(torch_plugin::settings_from(getenv).stream_join);                // and joins
+  CHECK(torch_plugin::settings_from(getenv).small_limit == 256 * KiB);   // and the small pool's
 
   env["GLAKE_ALLOC_CONF"] = "max_handle:0";  // 2 MiB handles only, as the library's default
   CHECK(torch_plugin::settings_from(getenv).max_handle == 0);
@@ -29,6 +30,8 @@ TEST_CASE("plug-in settings: the defaults are glake-replay's glake configuration
   CHECK_FALSE(torch_plugin::settings_from(getenv).stream_join);
   CHECK(torch_plugin::settings_from(getenv).event_interval_us == 20'000);
   CHECK(torch_plugin::settings_from(getenv).max_handle == 8 * MiB);  // the rest stay
+  env["GLAKE_ALLOC_CONF"] = "small_limit:1MiB";  // PyTorch's small pool, the library's default
+  CHECK(torch_plugin::settings_from(getenv).small_limit == MiB);
   env["GLAKE_ALLOC_CONF"] = "max_handle:5000";  // and a bad value is still refused
   CHECK_THROWS_WITH_AS(torch_plugin::settings_from(getenv), doctest::Contains("max_handle"), config_error);
   env.erase("GLAKE_ALLOC_CONF");
