@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -14,7 +13,6 @@
 #include <exception>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -23,6 +21,7 @@
 
 #include "glake/adaptors/combined_peaks.hpp"
 #include "glake/adaptors/graph_pools.hpp"
+#include "glake/adaptors/history_switch.hpp"
 #include "glake/adaptors/pluggable_stats.hpp"
 #include "glake/adaptors/trace_recorder.hpp"
 #include "glake/allocators/concepts.hpp"
@@ -112,12 +111,12 @@ class pluggable_allocator {
     slot* s;
     std::unique_ptr<Allocator> make_pool_allocator() {
       auto made = self->make_(s->device);
-      if (made != nullptr && self->history_on_.load(std::memory_order_relaxed)) observe(*made, *s, true);
+      if (made != nullptr && self->history_.on()) observe(*made, *s, true);
       return made;
     }
     void relieve() { s->allocator->release_cached(); }
     void freeing(const void* p, std::size_t bytes, stream_ref stream) noexcept {
-      if (self->history_on_.load(std::memory_order_relaxed)) self->note_free_requested(*s, p, bytes, stream);
+      if (self->history_.on()) self->note_free_requested(*s, p, bytes, stream);
     }
     void report(const std::string& message) noexcept {
       self->log_.error("glake: %s (device %d)", message.c_str(), s->device);
@@ -200,7 +199,7 @@ class pluggable_allocator {
         return;
       }
       if (s->pools.deallocate(p, bytes, stream)) return;
-      const bool history = history_on_.load(std::memory_order_relaxed);
+      const bool history = history_.on();
       // Unchecked builds do not catch foreign pointers themselves; ask first. So does the
       // history, which must not show a free that did not happen.
       if ((!GLAKE_CHECKED || history) && !s->allocator->owns(p)) {
@@ -476,7 +475,7 @@ class pluggable_allocator {
     try {
       DeviceScope scope(device);
       slot& s = registry_.for_device(device);
-      watch_growth(s);  // before the pools' lock: history_mutex_ is taken before it elsewhere
+      watch_growth(s);  // before the pools' lock: the history switch's is taken before it elsewhere
       s.pools.begin(pool, std::move(filter));
       return true;
     } catch (const std::exception& e) {
@@ -525,25 +524,23 @@ class pluggable_allocator {
   /// the memory history (entries kept until it starts again). False, logged, when the rings
   /// cannot be allocated (recording is then off).
   bool record_history(bool enabled, std::size_t max_entries) noexcept {
-    std::lock_guard guard(history_mutex_);
     try {
-      if (enabled) {
-        history_capacity_ = max_entries;
-        registry_.for_each([&](int, slot& s) { s.history.reset(max_entries); });
-      }
-      history_on_.store(enabled, std::memory_order_relaxed);
-      registry_.for_each([&](int device, slot& s) {
-        DeviceScope scope(device);
-        observe_all(s, enabled);
-      });
+      history_.set(
+          enabled, max_entries,
+          [&](std::size_t capacity) { registry_.for_each([&](int, slot& s) { s.history.reset(capacity); }); },
+          [&](bool on) {
+            registry_.for_each([&](int device, slot& s) {
+              DeviceScope scope(device);
+              observe_all(s, on);
+            });
+          });
       return true;
     } catch (const std::exception& e) {
-      history_on_.store(false, std::memory_order_relaxed);
       log_.error("glake: starting the memory history failed: %s", e.what());
       return false;
     }
   }
-  bool recording_history() const noexcept { return history_on_.load(std::memory_order_relaxed); }
+  bool recording_history() const noexcept { return history_.on(); }
 
   /// `device`'s history, oldest first (empty when it has no allocator).
   std::vector<history_entry> history(int device) const {
@@ -634,7 +631,7 @@ class pluggable_allocator {
     // The general + pools peak reserved, and the peaks before the last reset_peak (the
     // allocator's own restart there).
     combined_peaks peaks;
-    bool watched = false;  // the general allocator's observer watches for growth (history_mutex_)
+    bool watched = false;  // the general allocator's observer watches for growth (under history_)
     pools_type pools;  // CUDA graphs' private pools
     static_assert(!memory_retaining_allocator<Allocator> || graph_pooling<pools_type>);  // begin needs it
   };
@@ -645,18 +642,16 @@ class pluggable_allocator {
     if (s->allocator == nullptr) return nullptr;  // the registry reports it
     if (!options_.trace_pattern.empty()) {
       const std::string path = trace_file_name(options_.trace_pattern, device, options_.pid, options_.rank);
-      if (std::FILE* f = std::fopen(path.c_str(), "w")) {
-        std::vector<std::string> header = options_.header;
-        header.insert(header.begin(), "glake trace of device " + std::to_string(device) + ", process " +
-                                          std::to_string(options_.pid));
-        s->trace = std::make_unique<trace_recorder>(f, header);
-      } else {
-        log_.error("glake: cannot open trace file %s for device %d; not recording it", path.c_str(), device);
-      }
+      std::vector<std::string> header = options_.header;
+      header.insert(header.begin(), "glake trace of device " + std::to_string(device) + ", process " +
+                                        std::to_string(options_.pid));
+      s->trace = trace_recorder::open(path, header);
+      if (!s->trace) log_.error("glake: cannot open trace file %s for device %d; not recording it", path.c_str(), device);
     }
-    std::lock_guard guard(history_mutex_);
-    if (history_on_.load(std::memory_order_relaxed)) s->history.reset(history_capacity_);
-    if (history_on_.load(std::memory_order_relaxed) || s->trace) observe_general(*s);
+    history_.locked([&](bool on, std::size_t capacity) {
+      if (on) s->history.reset(capacity);
+      if (on || s->trace) observe_general(*s);
+    });
     return s;
   }
 
@@ -694,7 +689,7 @@ class pluggable_allocator {
   }
 
   void note(slot& s, memory_action action, const void* p, std::size_t bytes, stream_ref stream) noexcept {
-    if (!history_on_.load(std::memory_order_relaxed)) return;
+    if (!history_.on()) return;
     s.history.record(history_entry{action, reinterpret_cast<std::uintptr_t>(p), bytes, stream, now_us(), s.device});
   }
 
@@ -717,17 +712,17 @@ class pluggable_allocator {
     auto* s = static_cast<slot*>(context);
     if (e.action == memory_action::segment_alloc) s->peaks.note_growth(s->pools.reserved_bytes());
     if (e.action == memory_action::free_completed && s->trace) s->trace->freeing(reinterpret_cast<const void*>(e.address));
-    if (s->owner->history_on_.load(std::memory_order_relaxed)) on_event(context, e);
+    if (s->owner->history_.on()) on_event(context, e);
   }
 
   static void observe([[maybe_unused]] Allocator& a, [[maybe_unused]] slot& s, [[maybe_unused]] bool on) {
     if constexpr (observable_allocator<Allocator>) a.set_memory_observer(on ? &on_event : nullptr, &s);
   }
-  // Under history_mutex_: the general allocator observed while the history records or the
+  // Under history_'s lock: the general allocator observed while the history records or the
   // device has had pools.
   void observe_general([[maybe_unused]] slot& s) {
     if constexpr (observable_allocator<Allocator>) {
-      const bool on = s.watched || s.trace != nullptr || history_on_.load(std::memory_order_relaxed);
+      const bool on = s.watched || s.trace != nullptr || history_.on();
       s.allocator->set_memory_observer(on ? &on_general_event : nullptr, &s);
     }
   }
@@ -738,15 +733,16 @@ class pluggable_allocator {
   // From the first pool on, the general allocator's growth is watched (observable allocators).
   void watch_growth([[maybe_unused]] slot& s) {
     if constexpr (observable_allocator<Allocator>) {
-      std::lock_guard guard(history_mutex_);
-      if (s.watched) return;
-      s.watched = true;
-      try {
-        observe_general(s);
-      } catch (...) {
-        s.watched = false;
-        throw;
-      }
+      history_.locked([&](bool, std::size_t) {
+        if (s.watched) return;
+        s.watched = true;
+        try {
+          observe_general(s);
+        } catch (...) {
+          s.watched = false;
+          throw;
+        }
+      });
     }
   }
   // After a general allocation: whether the combined peak needs a sample. An observable
@@ -796,9 +792,7 @@ class pluggable_allocator {
   options options_;
   factory make_;
   detail::line_log log_{options_.log};
-  std::atomic<bool> history_on_{false};
-  std::mutex history_mutex_;            // serialises starting and stopping the history
-  std::size_t history_capacity_ = 0;    // under history_mutex_
+  history_switch history_;  // whether the memory history records, for every device
   device_registry<slot, MaxDevices> registry_;
 };
 

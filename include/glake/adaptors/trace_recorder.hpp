@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -44,6 +45,11 @@ class trace_recorder {
   }
   trace_recorder(const trace_recorder&) = delete;
   trace_recorder& operator=(const trace_recorder&) = delete;
+  /// A recorder writing to a new file at `path`, or null when it cannot be opened.
+  static std::unique_ptr<trace_recorder> open(const std::string& path, const std::vector<std::string>& header) {
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    return f == nullptr ? nullptr : std::make_unique<trace_recorder>(f, header);
+  }
   ~trace_recorder() {
     if (out_ != nullptr) std::fclose(out_);
   }
