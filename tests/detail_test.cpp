@@ -291,6 +291,9 @@ TEST_CASE("driver_meter: in a sequence each call is timed from the end of the on
       meter(glake::driver_call::create, [] { std::this_thread::sleep_for(2ms); });
     }
     meter(glake::driver_call::map, [] { std::this_thread::sleep_for(3ms); });
+    // Between calls of a sequence, time counts toward the next call: without a sequence this
+    // 4 ms gap would be counted nowhere.
+    std::this_thread::sleep_for(4ms);
     CHECK_THROWS_AS(meter(glake::driver_call::set_access,
                           []() -> int {
                             std::this_thread::sleep_for(1ms);
@@ -303,6 +306,7 @@ TEST_CASE("driver_meter: in a sequence each call is timed from the end of the on
   CHECK(meter.times()[glake::driver_call::create] >= 2'000'000);
   CHECK(meter.times()[glake::driver_call::map] >= 3'000'000);
   CHECK(meter.times()[glake::driver_call::set_access] >= 1'000'000);
+  CHECK(meter.times()[glake::driver_call::set_access] >= 5'000'000);  // with the 4 ms gap before it
   // Each call's time ends where the next one's starts: no time is counted twice.
   CHECK(meter.times().total() <= static_cast<std::uint64_t>(wall.count()));
 
