@@ -94,6 +94,17 @@ MODELS = {
         kind="mistral", hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
         intermediate_size=6144, vocab_size=32000, max_position_embeddings=4096, sliding_window=None,
     ),
+    # Checks beside the benchmark (bench/results/finetune.md, "Two shapes outside the benchmark"):
+    # a BART-large encoder-decoder, batched as t5-base; a Qwen2-1.5B shape in token budgets.
+    "bart-large": dict(
+        kind="bart", d_model=1024, encoder_layers=12, decoder_layers=12, encoder_attention_heads=16,
+        decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096, vocab_size=50265,
+        max_position_embeddings=1024, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+    ),
+    "qwen2-1.5b": dict(
+        kind="qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+        intermediate_size=8960, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True,
+    ),
     # Inference shapes: a ~150k vocabulary (Qwen2) and a 128k-vocabulary 1B Llama (Llama 3.2 1B).
     "qwen2-0.5b": dict(
         kind="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -107,14 +118,14 @@ MODELS = {
 }
 TRAINING_MODELS = ("opt1.3b", "llama1b", "pythia2.8b")
 # Shapes whose batches are not BATCH x a length: seq2seq (source, target) pairs, token budgets.
-SEQ2SEQ_MODELS = ("t5-base",)
+SEQ2SEQ_MODELS = ("t5-base", "bart-large")
 SEQ2SEQ_BATCH = 16
 SEQ2SEQ_SOURCE, SEQ2SEQ_TARGET = (64, 512), (16, 256)
-TOKEN_BUDGET_MODELS = ("mistral1.2b",)
+TOKEN_BUDGET_MODELS = ("mistral1.2b", "qwen2-1.5b")
 TOKEN_BUDGET, TOKEN_BUDGET_LENGTHS = 8192, (64, 2048)
 INFERENCE_MODELS = ("llama3.2-1b", "qwen2-0.5b")
 CONFIG_CLASSES = {"opt": "OPTConfig", "llama": "LlamaConfig", "gpt_neox": "GPTNeoXConfig", "qwen2": "Qwen2Config",
-                  "t5": "T5Config", "mistral": "MistralConfig"}
+                  "t5": "T5Config", "mistral": "MistralConfig", "bart": "BartConfig"}
 ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
