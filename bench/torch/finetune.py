@@ -198,14 +198,38 @@ def allocator_timing(path):
     return read
 
 
+def write_fake_collectives(dist, world):
+    """PyTorch's fake process group returns from every collective without writing its output: an
+    all-gather's output beyond this rank's shard, and every reduce-scatter's output (the gradient
+    shard the optimizer reads), would hold whatever the memory the allocator handed out held, and
+    the loss would depend on the allocator (NaN under one, finite under another). From here on each
+    first writes what it would if every rank held this rank's data: an all-gather repeats its input,
+    a reduce-scatter keeps its input's first chunk (the mean over equal inputs). The copies run on
+    the calling stream, where the collective's work would."""
+    gather, scatter = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
+
+    def all_gather_into_tensor(output_tensor, input_tensor, *args, **kwargs):
+        output_tensor.view(world, -1).copy_(input_tensor.reshape(1, -1).expand(world, -1))
+        return gather(output_tensor, input_tensor, *args, **kwargs)
+
+    def reduce_scatter_tensor(output, input, *args, **kwargs):
+        output.view(-1).copy_(input.reshape(world, -1)[0])
+        return scatter(output, input, *args, **kwargs)
+
+    dist.all_gather_into_tensor = all_gather_into_tensor
+    dist.reduce_scatter_tensor = reduce_scatter_tensor
+
+
 def host_probe(torch, device, tensor):
     """Returns a function timing four kinds of host work, in seconds: `python` (the interpreter
     alone), `dispatch` (view and detach of `tensor`, a model parameter: PyTorch's dispatcher and
     autograd, no kernel), `launch` (empty kernels queued with torch.cuda._sleep(0)) and `memcpy`
     (a 32 MiB copy between host tensors made here, once); and `cpu`, the CPU the thread ran on.
-    Under FSDP the parameter is a DTensor: its local shard is used, so no collective runs."""
+    Under FSDP the parameter is a DTensor, whose local shard is a view that FSDP and the optimizer
+    update in place (viewing it again then fails in autograd): a small leaf tensor of the same
+    dtype on the same device stands in for it, made here, once."""
     if hasattr(tensor, "to_local"):
-        tensor = tensor.to_local()
+        tensor = torch.zeros(1024, dtype=tensor.dtype, device=device, requires_grad=tensor.requires_grad)
     source = torch.ones(8 << 20, dtype=torch.float32)
     target = torch.empty_like(source)
 
@@ -367,6 +391,7 @@ def run_training(args, result, device):
         from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world)
+        write_fake_collectives(dist, args.fake_world)
 
     spec = dict(MODELS[args.model])
     config = getattr(transformers, CONFIG_CLASSES[spec.pop("kind")])(**spec)

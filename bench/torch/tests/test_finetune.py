@@ -310,21 +310,18 @@ class Child(unittest.TestCase):
         code, r = self.run_child("default", strategy="N", steps=2)
         self.assertNotIn("step_probe_s", r)  # off unless asked for
 
-    def test_host_probe_uses_the_local_shard_of_a_distributed_parameter(self):
-        calls = []
+    def test_host_probe_views_a_leaf_of_its_own_in_place_of_a_distributed_parameter(self):
+        # A DTensor's local shard is a view that FSDP and the optimizer update in place; viewing it
+        # again after a step fails in autograd, so the probe must never touch it.
+        class Distributed:  # a DTensor's face: to_local, a dtype, and no view of its own
+            dtype = "float32"
+            requires_grad = True
 
-        class Shard:
-            def view(self, *shape):
-                calls.append("view")
-                return self
-
-            def detach(self):
-                return self
-
-        class Distributed:  # a DTensor's face: to_local, and no view of its own
             def to_local(self):
-                calls.append("to_local")
-                return Shard()
+                raise AssertionError("the probe touched the distributed parameter's shard")
+
+            def view(self, *shape):
+                raise AssertionError("the probe viewed the distributed parameter")
 
         before = set(sys.modules)
         self.addCleanup(lambda: [sys.modules.pop(m) for m in set(sys.modules) - before])
@@ -335,11 +332,21 @@ class Child(unittest.TestCase):
             sys.path.remove(FAKES)
         if getattr(fake_torch, "__version__", "") != "0.0-fake":
             self.skipTest("a real torch is importable here")
+        made = []
+        real_zeros = fake_torch.zeros
+
+        def zeros(*args, **kwargs):
+            made.append(kwargs)
+            return real_zeros(*args, **kwargs)
+
+        fake_torch.zeros = zeros
+        self.addCleanup(setattr, fake_torch, "zeros", real_zeros)
         probe = finetune.host_probe(fake_torch, 0, Distributed())
-        times = probe()
-        self.assertEqual(calls[0], "to_local")
-        self.assertEqual(calls.count("view"), finetune.PROBE_LOOPS)
-        self.assertEqual(sorted(times), ["cpu", "dispatch", "launch", "memcpy", "python"])
+        times = [probe(), probe()]
+        self.assertEqual(len(made), 1)  # one stand-in, made once, not per probe
+        self.assertEqual((made[0]["dtype"], made[0]["device"], made[0]["requires_grad"]), ("float32", 0, True))
+        for t in times:
+            self.assertEqual(sorted(t), ["cpu", "dispatch", "launch", "memcpy", "python"])
 
     def test_profiled_steps_come_after_the_measured_ones_and_leave_traces(self):
         with tempfile.TemporaryDirectory() as directory:
@@ -462,6 +469,54 @@ class Child(unittest.TestCase):
 
 
 REPLAY = os.environ.get("GLAKE_REPLAY")
+
+
+class Rows:
+    """A stand-in tensor: flat values seen as rows, enough of view, reshape, expand, copy_ and [0].
+    A view shares its values, as a tensor's view shares its storage."""
+
+    def __init__(self, values, rows=1):
+        self.values, self.rows = values, rows
+
+    def view(self, rows, _=-1):
+        return Rows(self.values, 1 if rows == -1 else rows)
+
+    reshape = view
+
+    def expand(self, rows, _=-1):
+        return Rows(self.values * rows, rows)
+
+    def __getitem__(self, index):
+        width = len(self.values) // self.rows
+        return Rows(self.values[index * width:(index + 1) * width])
+
+    def copy_(self, other):
+        assert len(other.values) == len(self.values), (other.values, self.values)
+        self.values[:] = other.values
+        return self
+
+
+class FakeCollectives(unittest.TestCase):
+    def test_the_fake_process_groups_collectives_write_their_outputs_before_they_run(self):
+        seen = []
+
+        class Dist:  # the fake process group: returns without writing anything
+            @staticmethod
+            def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+                seen.append(("all_gather", list(output_tensor.values), group, async_op))
+
+            @staticmethod
+            def reduce_scatter_tensor(output, input, group=None, op=None, async_op=False):
+                seen.append(("reduce_scatter", list(output.values), group, op, async_op))
+
+        dist = Dist()
+        finetune.write_fake_collectives(dist, 3)
+        gathered = Rows([float("nan")] * 6)
+        dist.all_gather_into_tensor(gathered, Rows([1.0, 2.0]), group="g", async_op=True)
+        self.assertEqual(seen[-1], ("all_gather", [1.0, 2.0] * 3, "g", True))  # every rank's slot, before it ran
+        reduced = Rows([float("nan")] * 2)
+        dist.reduce_scatter_tensor(output=reduced, input=Rows([5.0, 6.0, 7.0, 8.0, 9.0, 10.0]), group="g", op="avg")
+        self.assertEqual(seen[-1], ("reduce_scatter", [5.0, 6.0], "g", "avg", False))
 
 
 class Replay(unittest.TestCase):

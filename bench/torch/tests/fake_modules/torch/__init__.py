@@ -88,6 +88,10 @@ def ones(n, dtype=float32, device=None):
     return Tensor(1.0, dtype, n, False)
 
 
+def zeros(n, dtype=float32, device=None, requires_grad=False):
+    return Tensor(0.0, dtype, n, requires_grad)
+
+
 @contextlib.contextmanager
 def inference_mode():
     yield
