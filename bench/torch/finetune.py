@@ -1043,8 +1043,9 @@ def parse(argv):
     parser.add_argument("--fsdp", type=int, default=0, metavar="N", help="run each under torchrun with N processes, FSDP2")
     parser.add_argument("--fake-world", type=int, default=0, metavar="N",
                         help="one process per run, as rank 0 of an N-rank FSDP2 group on PyTorch's fake process group, whose "
-                        "collectives do nothing: rank 0's allocations and streams on one GPU, without communication (a "
-                        "proxy for --fsdp N on a machine with one GPU; results carry fake_world)")
+                        "collectives only write their outputs as if every rank held rank 0's data: rank 0's allocations and "
+                        "streams on one GPU, without communication (a proxy for --fsdp N on a machine with one GPU; results "
+                        "carry fake_world)")
     parser.add_argument("--timeout", type=float, default=540, help="seconds per run before it is killed (default 540)")
     parser.add_argument("--budget", type=float, help="start no new run after this many seconds (for command time limits)")
     parser.add_argument("--log-dir", help="where each run's output goes (default: a temporary directory)")
